@@ -1,0 +1,1 @@
+"""The kvtune operator: InferenceDeployment CRD, reconciliation, and the tuner."""

@@ -1,0 +1,34 @@
+"""The `kvtune` command. Subcommands load lazily so `kvtune sim` never imports torch or kopf."""
+from __future__ import annotations
+
+import importlib
+
+import click
+
+# name -> "module:attribute" of a click command; each module owns its own options.
+COMMANDS = {
+    "sim": ("kvtune_engine.sim.cli:sim", "Replay a request trace through the scheduler in virtual time."),
+    "trace": ("kvtune_engine.sim.cli:trace", "Generate request traces (scenarios, synthetic mixes)."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, _, attr = COMMANDS[name][0].partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Help text from the table, so `kvtune --help` imports nothing heavy.
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, COMMANDS[name][1]) for name in self.list_commands(ctx)])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvtune")
+def main() -> None:
+    """kvtune: LLM serving on Kubernetes with a KV cache that tunes itself."""
