@@ -1,0 +1,313 @@
+"""Choose among predicted candidates, then verify the change and roll it back when it regressed.
+
+Everything here is pure: time is an argument (seconds on any clock), nothing is read or written
+outside the objects. ``TunerState`` round-trips through ``to_dict``/``from_dict`` so the operator can keep
+it in ``status.tuning``.
+
+Objective (``spec.autotune.objectives``): goodput (requests/s meeting the TTFT and TPOT SLO) first,
+then output throughput; a preemption-rate target, when set, is a constraint (candidates that meet it
+rank before those that do not). Predictions closer than ``close_margin`` count as equal, and then
+a live change beats a restart change (a rollout costs capacity) and fewer changed knobs beat more.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from kvtune_engine.config import RESTART_KNOBS, EngineConfig
+
+#: The knobs the tuner may change (kv_cache_memory is a CPU/test override, never tuned).
+TUNED_KNOBS = ("block_size", "gpu_memory_utilization", "swap_space", "max_num_seqs",
+               "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "watermark")
+
+
+@dataclass(frozen=True)
+class Objectives:
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
+    max_preemptions_per_min: float | None = None
+    #: relative difference under which two predictions count as equal
+    close_margin: float = 0.03
+    #: least predicted relative gain over the current config worth a change
+    min_gain: float = 0.03
+    #: a measured window this much worse than the one before the change is a regression
+    regression_threshold: float = 0.10
+    #: seconds between restart-requiring changes (rollbacks are exempt)
+    cooldown_s: float = 900.0
+    #: seconds a rolled-back candidate stays barred
+    bad_memory_s: float = 3600.0
+
+
+def _f(summary: Mapping[str, Any], key: str) -> float:
+    return float(summary.get(key, 0.0) or 0.0)
+
+
+def preemptions_per_min(summary: Mapping[str, Any]) -> float:
+    pre = summary.get("preemptions") or {}
+    n = float(pre.get("swap", 0) or 0) + float(pre.get("recompute", 0) or 0)
+    dur = _f(summary, "duration_s")
+    if dur <= 0:
+        rps = _f(summary, "requests_per_s")
+        fin = _f(summary, "requests_finished") or _f(summary, "num_requests")
+        dur = fin / rps if rps > 0 and fin > 0 else 0.0
+    return n * 60.0 / dur if dur > 0 else 0.0
+
+
+@dataclass(frozen=True, order=True)
+class Score:
+    """Comparable figure of merit of one simulator summary (higher is better)."""
+    feasible: bool
+    goodput: float
+    throughput: float
+
+    @classmethod
+    def of(cls, summary: Mapping[str, Any], objectives: Objectives) -> "Score":
+        feasible = True
+        if objectives.max_preemptions_per_min is not None:
+            feasible = preemptions_per_min(summary) <= objectives.max_preemptions_per_min
+        return cls(feasible, _f(summary, "goodput_requests_per_s"), _f(summary, "output_tokens_per_s"))
+
+    def beats(self, other: "Score", margin: float) -> bool:
+        """Better by more than ``margin`` (relative), on goodput first, throughput on a goodput tie."""
+        if self.feasible != other.feasible:
+            return self.feasible
+        if self.goodput > other.goodput * (1 + margin) + 1e-12:
+            return True
+        if self.goodput < other.goodput * (1 - margin) - 1e-12:
+            return False
+        return self.throughput > other.throughput * (1 + margin) + 1e-12
+
+    def close_to(self, other: "Score", margin: float) -> bool:
+        return not self.beats(other, margin) and not other.beats(self, margin)
+
+
+def knob_changes(before: EngineConfig, after: EngineConfig) -> dict[str, Any]:
+    return {k: getattr(after, k) for k in TUNED_KNOBS if getattr(before, k) != getattr(after, k)}
+
+
+def config_key(cfg: EngineConfig) -> str:
+    """Identity of a candidate for the bad-candidate memory (its tuned knobs)."""
+    return json.dumps({k: getattr(cfg, k) for k in TUNED_KNOBS}, sort_keys=True)
+
+
+@dataclass
+class Decision:
+    """What the tuner chose in one round (``action == "none"`` keeps the current config)."""
+    action: str                        # "change" | "none"
+    reason: str
+    current: EngineConfig
+    config: EngineConfig               # the chosen config (== current when action is none)
+    changes: dict[str, Any] = field(default_factory=dict)
+    restart: bool = False
+    predicted: Mapping[str, Any] | None = None   # simulator summary of the chosen config
+    baseline: Mapping[str, Any] | None = None    # simulator summary of the current config
+    considered: int = 0
+    barred: int = 0                    # candidates skipped: remembered as bad or in cooldown
+
+    @property
+    def predicted_gain(self) -> float:
+        if not self.predicted or not self.baseline:
+            return 0.0
+        b = _f(self.baseline, "goodput_requests_per_s")
+        p = _f(self.predicted, "goodput_requests_per_s")
+        return (p - b) / b if b > 0 else (1.0 if p > 0 else 0.0)
+
+
+def choose(current: EngineConfig, baseline: Mapping[str, Any],
+           predictions: Sequence[tuple[EngineConfig, Mapping[str, Any]]], objectives: Objectives,
+           *, state: "TunerState | None" = None, now: float = 0.0) -> Decision:
+    """Pick the best predicted candidate, or none when nothing beats the current config clearly."""
+    state = state or TunerState()
+    base_score = Score.of(baseline, objectives)
+    allowed: list[tuple[EngineConfig, Mapping[str, Any], Score, dict[str, Any], bool]] = []
+    barred = 0
+    restart_ok = state.restart_allowed(now, objectives)
+    for cfg, summ in predictions:
+        changes = knob_changes(current, cfg)
+        if not changes:
+            continue
+        restart = bool(RESTART_KNOBS & changes.keys())
+        if state.is_bad(cfg, now) or (restart and not restart_ok):
+            barred += 1
+            continue
+        allowed.append((cfg, summ, Score.of(summ, objectives), changes, restart))
+    none = Decision("none", "", current, current, baseline=baseline, predicted=baseline,
+                    considered=len(predictions), barred=barred)
+    if not allowed:
+        none.reason = "no candidate left to try" + (f" ({barred} barred)" if barred else "")
+        return none
+    best = max(allowed, key=lambda a: a[2])
+    if not best[2].beats(base_score, objectives.min_gain):
+        none.reason = (f"no candidate beats the current config by {objectives.min_gain:.0%} "
+                       f"(best predicted goodput {best[2].goodput:.3g} vs {base_score.goodput:.3g} req/s)")
+        return none
+    # Among the candidates as good as the best (within close_margin) that still clearly beat the
+    # current config: live before restart, then fewest knobs, then the higher score.
+    near = [a for a in allowed if a[2].close_to(best[2], objectives.close_margin)
+            and a[2].beats(base_score, objectives.min_gain)]
+    pick = min(near, key=lambda a: (a[4], len(a[3]), tuple(-x for x in (a[2].goodput, a[2].throughput))))
+    cfg, summ, score, changes, restart = pick
+    d = Decision("change", "", current, cfg, changes=changes, restart=restart, predicted=summ,
+                 baseline=baseline, considered=len(predictions), barred=barred)
+    d.reason = (f"predicted goodput {base_score.goodput:.3g} -> {score.goodput:.3g} req/s "
+                f"({d.predicted_gain:+.0%}), throughput {base_score.throughput:.4g} -> {score.throughput:.4g} tok/s"
+                + ("; needs a restart" if restart else "; live change"))
+    return d
+
+
+# --------------------------------------------------------------------------------------------------
+# Verify and roll back
+
+
+def window_figures(summary: Mapping[str, Any], arrival_rate: float | None = None) -> dict[str, float]:
+    """The figures a verdict compares. Goodput is normalised by the offered load when it is known,
+    so a quieter or busier window does not read as a regression or a gain."""
+    good = _f(summary, "goodput_requests_per_s")
+    rps = _f(summary, "requests_per_s")
+    load = arrival_rate if arrival_rate and arrival_rate > 0 else rps
+    return {
+        "goodput_requests_per_s": good,
+        "output_tokens_per_s": _f(summary, "output_tokens_per_s"),
+        "requests_per_s": rps,
+        "offered_requests_per_s": load,
+        "goodput_share": good / load if load > 0 else 0.0,
+        "queue_time_p99_s": _f(summary, "queue_time_p99_s"),
+        "preemptions_per_min": preemptions_per_min(summary),
+    }
+
+
+@dataclass
+class Verdict:
+    keep: bool
+    reason: str
+    measured: dict[str, float]
+    before: dict[str, float]
+    predicted: dict[str, float] | None
+    change: float            # relative change of the compared figure vs the window before
+    prediction_error: float | None   # (measured - predicted) / predicted on goodput
+
+
+def judge(before: Mapping[str, float], measured: Mapping[str, float],
+          predicted: Mapping[str, float] | None, threshold: float) -> Verdict:
+    """Keep, or roll back when the measured window regressed beyond ``threshold`` vs the window before.
+
+    Compared figure: goodput share of the offered load; when both windows have (almost) no goodput,
+    output throughput. Falling short of the prediction alone is not a regression (it is reported).
+    """
+    b, m = before.get("goodput_share", 0.0), measured.get("goodput_share", 0.0)
+    what = "goodput"
+    if b < 0.01 and m < 0.01:
+        b, m = before.get("output_tokens_per_s", 0.0), measured.get("output_tokens_per_s", 0.0)
+        what = "throughput"
+    change = (m - b) / b if b > 0 else (0.0 if m <= 0 else 1.0)
+    perr = None
+    if predicted:
+        pg = predicted.get("goodput_requests_per_s", 0.0)
+        if pg > 0:
+            perr = (measured.get("goodput_requests_per_s", 0.0) - pg) / pg
+    if change < -threshold:
+        reason = f"{what} fell {-change:.0%} (more than {threshold:.0%}) after the change: rolled back"
+        return Verdict(False, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr)
+    reason = f"{what} {change:+.0%} vs the window before"
+    if perr is not None:
+        reason += f"; measured goodput {perr:+.0%} vs predicted"
+    return Verdict(True, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr)
+
+
+@dataclass
+class PendingChange:
+    before: dict[str, Any]             # config (snake_case fields) before the change
+    after: dict[str, Any]
+    changes: dict[str, Any]
+    restart: bool
+    applied_at: float
+    before_figures: dict[str, float]   # measured in the window before the change
+    predicted_figures: dict[str, float]
+
+
+@dataclass
+class TunerState:
+    """The tuner's memory between rounds: a change being verified, cooldown, bad candidates, history."""
+    phase: str = "Idle"                          # "Idle" | "Verifying"
+    pending: PendingChange | None = None
+    last_restart_at: float | None = None
+    bad: dict[str, float] = field(default_factory=dict)    # config_key -> barred until
+    history: list[dict[str, Any]] = field(default_factory=list)
+    restarts: int = 0
+    history_len: int = 10
+
+    # ---- queries ----
+    def restart_allowed(self, now: float, objectives: Objectives) -> bool:
+        return self.last_restart_at is None or now - self.last_restart_at >= objectives.cooldown_s
+
+    def is_bad(self, cfg: EngineConfig, now: float) -> bool:
+        until = self.bad.get(config_key(cfg))
+        return until is not None and now < until
+
+    def forget_expired(self, now: float) -> None:
+        self.bad = {k: t for k, t in self.bad.items() if t > now}
+
+    # ---- transitions ----
+    def begin(self, decision: Decision, before: Mapping[str, float], now: float) -> None:
+        """The decision was applied at ``now``: verify it over the next window."""
+        if decision.action != "change":
+            raise ValueError("only a change can be verified")
+        if self.phase == "Verifying":
+            raise ValueError("a change is already being verified")
+        self.pending = PendingChange(
+            before=decision.current.model_dump(), after=decision.config.model_dump(),
+            changes=dict(decision.changes), restart=decision.restart, applied_at=now,
+            before_figures=dict(before),
+            predicted_figures=window_figures(decision.predicted or {}, before.get("offered_requests_per_s")))
+        self.phase = "Verifying"
+        if decision.restart:
+            self.last_restart_at = now
+            self.restarts += 1
+        self._log({"at": now, "event": "applied", "changes": dict(decision.changes), "restart": decision.restart,
+                   "reason": decision.reason, "predicted": self.pending.predicted_figures,
+                   "before": dict(before)})
+
+    def verify(self, measured: Mapping[str, float], now: float, objectives: Objectives) -> tuple[Verdict, EngineConfig]:
+        """Judge the window measured after the change. Returns the verdict and the config to run next
+        (the new one when kept, the old one when rolled back; the rolled-back candidate is barred for
+        ``objectives.bad_memory_s``)."""
+        if self.phase != "Verifying" or self.pending is None:
+            raise ValueError("nothing to verify")
+        p = self.pending
+        v = judge(p.before_figures, measured, p.predicted_figures, objectives.regression_threshold)
+        after = EngineConfig.model_validate(p.after)
+        if v.keep:
+            nxt = after
+        else:
+            nxt = EngineConfig.model_validate(p.before)
+            self.bad[config_key(after)] = now + objectives.bad_memory_s
+            if p.restart:  # undoing a restart change is itself a rollout
+                self.restarts += 1
+                self.last_restart_at = now
+        self._log({"at": now, "event": "kept" if v.keep else "rolled_back", "changes": dict(p.changes),
+                   "restart": p.restart, "reason": v.reason, "predicted": p.predicted_figures,
+                   "measured": dict(measured), "before": p.before_figures})
+        self.pending = None
+        self.phase = "Idle"
+        return v, nxt
+
+    def _log(self, entry: dict[str, Any]) -> None:
+        self.history.append(entry)
+        del self.history[: -self.history_len]
+
+    # ---- persistence ----
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(asdict(self), default=str))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TunerState":
+        d = dict(d)
+        pend = d.pop("pending", None)
+        st = cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+        st.pending = PendingChange(**pend) if pend else None
+        return st
+
+
+def summaries_by_key(items: Iterable[tuple[EngineConfig, Mapping[str, Any]]]) -> dict[str, Mapping[str, Any]]:
+    return {config_key(c): s for c, s in items}

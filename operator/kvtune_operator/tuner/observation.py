@@ -1,0 +1,474 @@
+"""One observation window: what the engine reported about itself, in one flat, typed record.
+
+Two sources build the same record:
+
+* ``Observation.from_sim_summary`` -- a ``kvtune sim --json`` summary (the local loop, benchmarks, tests);
+* ``Observation.from_metrics`` -- Prometheus-style figures over a window (counter increases, gauge
+  averages, histogram buckets) plus the engine's ``/kvtune/v1/state`` snapshot.  ``kvtune diagnose
+  --url`` feeds it a parsed ``/metrics`` scrape; the in-cluster reader feeds it the same keys from PromQL
+  (``increase(...[window])`` for counters and buckets, ``avg_over_time`` / ``max_over_time`` for
+  gauges) -- see ``MetricFigures``.
+
+Every ratio is in [0, 1], every time in seconds, every memory figure in bytes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Mapping
+
+from kvtune_engine.config import EngineConfig
+
+#: The waiting causes the scheduler records for the head of the waiting queue (issue 2 section 3).
+WAITING_CAUSES = ("max_num_seqs", "token_budget", "kv_blocks", "watermark", "swap_space")
+GiB = 1024 ** 3
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """Engine step timing: one step, or the mean of ``weight`` steps (a histogram's sum/count)."""
+    duration_s: float
+    batched_tokens: float
+    context_tokens: float = 0.0
+    weight: float = 1.0
+
+
+def _q(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    i = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
+    return float(sorted_values[i])
+
+
+def _field(r: Any, name: str, default: Any = None) -> Any:
+    if isinstance(r, Mapping):
+        return r.get(name, default)
+    return getattr(r, name, default)
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """Request-length distribution of the window's trace (shapes only, never text)."""
+    count: int
+    duration_s: float
+    prompt_p50: float
+    prompt_p95: float
+    prompt_max: int
+    output_p50: float
+    output_p95: float
+    output_max: int
+    total_mean: float
+    prefix_share: float            # fraction of requests that carry a shared prefix
+    prefix_tokens_mean: float      # mean shared-prefix length among those
+    prefix_groups: int
+    #: final lengths (prompt + output) of up to 4096 requests, for block-size waste estimates
+    totals: tuple[int, ...] = field(default=(), repr=False)
+
+    @property
+    def arrival_rate_per_s(self) -> float:
+        return self.count / self.duration_s if self.duration_s > 0 else 0.0
+
+    def tail_waste(self, block_size: int) -> float:
+        """Share of the allocated token slots left empty in the last block, at the final lengths."""
+        if not self.totals:
+            return 0.0
+        alloc = sum(-(-t // block_size) * block_size for t in self.totals)
+        used = sum(self.totals)
+        return (alloc - used) / alloc if alloc else 0.0
+
+    @classmethod
+    def from_trace(cls, records: Iterable[Any]) -> "LengthStats":
+        """From trace records: dicts of the JSONL trace format or objects with the same attributes."""
+        prompts, outputs, arrivals, prefix_lens, groups = [], [], [], [], set()
+        for r in records:
+            p = int(_field(r, "prompt_tokens", 0))
+            o = int(_field(r, "output_tokens", 0))
+            prompts.append(p)
+            outputs.append(o)
+            arrivals.append(float(_field(r, "arrival_s", 0.0)))
+            g = _field(r, "prefix_group")
+            if g is not None and int(_field(r, "prefix_tokens", 0) or 0) > 0:
+                groups.add(g)
+                prefix_lens.append(int(_field(r, "prefix_tokens", 0)))
+        n = len(prompts)
+        if n == 0:
+            return cls(0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0)
+        sp, so = sorted(prompts), sorted(outputs)
+        totals = [p + o for p, o in zip(prompts, outputs)]
+        step = max(1, n // 4096)
+        span = max(arrivals) - min(arrivals)
+        # n arrivals span n-1 gaps: scale so the rate of a Poisson trace comes out right
+        duration = span * n / (n - 1) if n > 1 and span > 0 else 0.0
+        return cls(
+            count=n, duration_s=duration,
+            prompt_p50=_q(sp, 0.5), prompt_p95=_q(sp, 0.95), prompt_max=sp[-1],
+            output_p50=_q(so, 0.5), output_p95=_q(so, 0.95), output_max=so[-1],
+            total_mean=sum(totals) / n,
+            prefix_share=len(prefix_lens) / n,
+            prefix_tokens_mean=sum(prefix_lens) / len(prefix_lens) if prefix_lens else 0.0,
+            prefix_groups=len(groups),
+            totals=tuple(totals[::step]),
+        )
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one window showed. Built by the constructors below; the tuner never reads raw metrics."""
+    config: EngineConfig
+    source: str = "sim"                     # "sim" | "engine"
+    window_s: float = 0.0
+    # why the head of the waiting queue waited: share of *steps* blocked by each cause
+    waiting_cause_share: Mapping[str, float] = field(default_factory=dict)
+    # KV cache
+    num_blocks: int = 0
+    kv_usage_mean: float = 0.0
+    kv_usage_peak: float | None = None
+    internal_fragmentation_mean: float = 0.0
+    cached_blocks_share: float | None = None     # idle prefix-cached blocks / total (mean)
+    prefix_cache_hit_rate: float | None = None   # hit tokens / queried tokens
+    # preemptions (counts in the window) and swap
+    preemptions_swap: int = 0
+    preemptions_recompute: int = 0
+    swap_full: int = 0                           # swap wanted, pool full -> recompute
+    swap_usage_peak: float = 0.0
+    swap_blocks: int | None = None
+    # memory by kind, bytes: weights, activations_peak, kv_cache, swap, device_total
+    memory: Mapping[str, float] = field(default_factory=dict)
+    # latency and throughput
+    queue_time_p50_s: float = 0.0
+    queue_time_p99_s: float = 0.0
+    ttft_p50_s: float = 0.0
+    ttft_p99_s: float = 0.0
+    tpot_p50_s: float = 0.0
+    tpot_p99_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    requests_per_s: float = 0.0
+    goodput_requests_per_s: float = 0.0
+    requests_finished: int = 0
+    requests_rejected: int = 0
+    # queues: mean over the window's steps and peak
+    running_mean: float = 0.0
+    running_peak: float = 0.0
+    waiting_mean: float = 0.0
+    waiting_peak: float = 0.0
+    # the request-length distribution of the window's trace
+    lengths: LengthStats | None = None
+    step_samples: tuple[StepSample, ...] = ()
+    summary: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+
+    # ---- derived figures ----
+    @property
+    def preemptions(self) -> int:
+        return self.preemptions_swap + self.preemptions_recompute
+
+    @property
+    def blocked_share(self) -> float:
+        return sum(self.waiting_cause_share.values())
+
+    def dominant_cause(self) -> tuple[str | None, float]:
+        if not self.waiting_cause_share:
+            return None, 0.0
+        name, share = max(self.waiting_cause_share.items(), key=lambda kv: kv[1])
+        return (name, share) if share > 0 else (None, 0.0)
+
+    @property
+    def non_kv_memory(self) -> float:
+        """Measured peak memory the engine uses besides the KV cache (weights + activation peak)."""
+        return float(self.memory.get("weights", 0.0)) + float(self.memory.get("activations_peak", 0.0))
+
+    def with_(self, **changes: Any) -> "Observation":
+        return replace(self, **changes)
+
+    # ---- constructors ----
+    @classmethod
+    def from_sim_summary(cls, summary: Mapping[str, Any], *, trace: Iterable[Any] | None = None,
+                         step_samples: Iterable[StepSample] = (), window_s: float | None = None,
+                         config: EngineConfig | None = None) -> "Observation":
+        """From one ``kvtune sim --json`` summary (issue 2 section 4 keys; extra keys used when present)."""
+        s = summary
+        if config is None:
+            config = EngineConfig.model_validate(_config_fields(s.get("config", {})))
+        pre = s.get("preemptions", {}) or {}
+        share = {k: float(v) for k, v in (s.get("waiting_cause_share") or {}).items()}
+        lengths = LengthStats.from_trace(trace) if trace is not None else None
+        mem = dict(s.get("memory_bytes") or s.get("memory") or {})
+        q = s.get("queues") or {}
+        return cls(
+            config=config, source="sim",
+            window_s=float(window_s if window_s is not None else s.get("duration_s", 0.0) or 0.0),
+            waiting_cause_share=share,
+            num_blocks=int(s.get("num_blocks", 0) or 0),
+            kv_usage_mean=float(s.get("kv_usage_mean", 0.0) or 0.0),
+            kv_usage_peak=_opt(s.get("kv_usage_peak")),
+            internal_fragmentation_mean=float(s.get("internal_fragmentation_mean", 0.0) or 0.0),
+            cached_blocks_share=_opt(s.get("cached_blocks_share", s.get("kv_cached_share_mean"))),
+            prefix_cache_hit_rate=_opt(s.get("prefix_cache_hit_rate")),
+            preemptions_swap=int(pre.get("swap", 0) or 0),
+            preemptions_recompute=int(pre.get("recompute", 0) or 0),
+            swap_full=int(pre.get("swap_full", 0) or 0),
+            swap_usage_peak=float(s.get("swap_usage_peak", 0.0) or 0.0),
+            swap_blocks=_opt_int(s.get("swap_blocks", s.get("num_swap_blocks"))),
+            memory=mem,
+            queue_time_p50_s=float(s.get("queue_time_p50_s", 0.0) or 0.0),
+            queue_time_p99_s=float(s.get("queue_time_p99_s", 0.0) or 0.0),
+            ttft_p50_s=float(s.get("ttft_p50_s", 0.0) or 0.0),
+            ttft_p99_s=float(s.get("ttft_p99_s", 0.0) or 0.0),
+            tpot_p50_s=float(s.get("tpot_p50_s", 0.0) or 0.0),
+            tpot_p99_s=float(s.get("tpot_p99_s", 0.0) or 0.0),
+            output_tokens_per_s=float(s.get("output_tokens_per_s", 0.0) or 0.0),
+            requests_per_s=float(s.get("requests_per_s", 0.0) or 0.0),
+            goodput_requests_per_s=float(s.get("goodput_requests_per_s", 0.0) or 0.0),
+            requests_finished=int(s.get("requests_finished", s.get("num_requests", 0)) or 0),
+            requests_rejected=int(s.get("requests_rejected", 0) or 0),
+            running_mean=float(s.get("running_mean", q.get("running_mean", 0.0)) or 0.0),
+            running_peak=float(s.get("running_peak", s.get("running_max", q.get("running_peak", 0.0))) or 0.0),
+            waiting_mean=float(s.get("waiting_mean", q.get("waiting_mean", 0.0)) or 0.0),
+            waiting_peak=float(s.get("waiting_peak", s.get("waiting_max", q.get("waiting_peak", 0.0))) or 0.0),
+            lengths=lengths,
+            step_samples=tuple(step_samples),
+            summary=dict(s),
+        )
+
+    @classmethod
+    def from_metrics(cls, figures: "MetricFigures", *, state: Mapping[str, Any] | None = None,
+                     trace: Iterable[Any] | None = None, window_s: float | None = None,
+                     config: EngineConfig | None = None, slo_ttft_s: float | None = None,
+                     slo_tpot_s: float | None = None) -> "Observation":
+        """From Prometheus-style figures over a window plus the engine's state snapshot.
+
+        ``figures`` holds, per series, the window's value: the increase of counters and histogram
+        buckets/sums/counts, the mean of gauges (``kvtune diagnose --url`` passes one scrape: the
+        counters since start and the gauges now). ``state`` is ``/kvtune/v1/state``: it gives the
+        effective config and the current queue snapshot when the metrics lack them.
+        """
+        f = figures
+        st = dict(state or {})
+        if config is None:
+            cfg = st.get("config")
+            if cfg is None:
+                cfg = f.info_labels("kvtune_engine_config_info")
+            config = EngineConfig.model_validate(_config_fields(cfg or {}))
+        steps = {c: f.get("kvtune_scheduler_waiting_reason_steps_total", reason=c) for c in WAITING_CAUSES}
+        total_steps = f.get("kvtune_steps_total") or f.hist_count("kvtune_step_duration_seconds")
+        share = {c: (v / total_steps if total_steps else 0.0) for c, v in steps.items() if v is not None}
+        blocks = {s_: f.get("kvtune_kv_blocks", state=s_) or 0.0 for s_ in ("free", "used", "cached", "reserved")}
+        num_blocks = int(f.get("kvtune_kv_num_blocks") or 0) or int(_dig(st, "blocks", "total", default=0) or 0) \
+            or int(round(sum(blocks.values())))
+        mem = {k: f.get("kvtune_memory_bytes", kind=k) for k in
+               ("weights", "activations_peak", "kv_cache", "swap", "device_total")}
+        mem = {k: v for k, v in mem.items() if v is not None}
+        win = float(window_s or 0.0)
+        finished = (f.hist_count("kvtune_e2e_request_latency_seconds")
+                    or f.hist_count("kvtune_time_to_first_token_seconds") or 0.0)
+        rps = finished / win if win > 0 else 0.0
+        out_tokens = f.hist_sum("kvtune_request_output_tokens") or f.get("kvtune_generation_tokens_total") or 0.0
+        goodput = rps
+        if slo_ttft_s is not None:
+            goodput = min(goodput, rps * f.hist_cdf("kvtune_time_to_first_token_seconds", slo_ttft_s, default=1.0))
+        if slo_tpot_s is not None:
+            goodput = min(goodput, rps * f.hist_cdf("kvtune_inter_token_latency_seconds", slo_tpot_s, default=1.0))
+        samples: list[StepSample] = []
+        n = f.hist_count("kvtune_step_duration_seconds")
+        if n:
+            ctx = f.hist_sum("kvtune_step_context_tokens")
+            samples.append(StepSample(
+                duration_s=(f.hist_sum("kvtune_step_duration_seconds") or 0.0) / n,
+                batched_tokens=(f.hist_sum("kvtune_step_batched_tokens") or 0.0) / n,
+                context_tokens=(ctx or 0.0) / n, weight=n))
+        running = f.get("kvtune_requests", state="running")
+        waiting = f.get("kvtune_requests", state="waiting")
+        if running is None:
+            running = float(_dig(st, "queues", "running", default=0) or 0)
+        if waiting is None:
+            waiting = float(_dig(st, "queues", "waiting", default=0) or 0)
+        hits = f.get("kvtune_prefix_cache_hits_tokens_total")
+        queries = f.get("kvtune_prefix_cache_queries_tokens_total")
+        return cls(
+            config=config, source="engine", window_s=win,
+            waiting_cause_share=share,
+            num_blocks=num_blocks,
+            kv_usage_mean=float(f.get("kvtune_kv_usage_ratio") or 0.0),
+            kv_usage_peak=f.get("kvtune_kv_usage_ratio", agg="max"),
+            internal_fragmentation_mean=float(f.get("kvtune_kv_internal_fragmentation_ratio") or 0.0),
+            cached_blocks_share=(blocks["cached"] / num_blocks) if num_blocks else None,
+            prefix_cache_hit_rate=(hits / queries) if hits is not None and queries else None,
+            preemptions_swap=int(f.get("kvtune_preemptions_total", mode="swap") or 0),
+            preemptions_recompute=int(f.get("kvtune_preemptions_total", mode="recompute") or 0),
+            swap_full=int(f.get("kvtune_swap_full_total") or 0),
+            swap_blocks=_opt_int(f.get("kvtune_swap_num_blocks", agg="max") or _dig(st, "swap", "total")),
+            swap_usage_peak=float(f.get("kvtune_swap_usage_ratio", agg="max") or 0.0),
+            memory=mem,
+            queue_time_p50_s=f.hist_quantile("kvtune_request_queue_time_seconds", 0.5),
+            queue_time_p99_s=f.hist_quantile("kvtune_request_queue_time_seconds", 0.99),
+            ttft_p50_s=f.hist_quantile("kvtune_time_to_first_token_seconds", 0.5),
+            ttft_p99_s=f.hist_quantile("kvtune_time_to_first_token_seconds", 0.99),
+            tpot_p50_s=f.hist_quantile("kvtune_inter_token_latency_seconds", 0.5),
+            tpot_p99_s=f.hist_quantile("kvtune_inter_token_latency_seconds", 0.99),
+            output_tokens_per_s=out_tokens / win if win > 0 else 0.0,
+            requests_per_s=rps, goodput_requests_per_s=goodput,
+            requests_finished=int(finished),
+            running_mean=float(running), running_peak=float(f.get("kvtune_requests", state="running", agg="max") or running),
+            waiting_mean=float(waiting), waiting_peak=float(f.get("kvtune_requests", state="waiting", agg="max") or waiting),
+            lengths=LengthStats.from_trace(trace) if trace is not None else None,
+            step_samples=tuple(samples),
+            summary=None,
+        )
+
+
+def _opt(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def _opt_int(v: Any) -> int | None:
+    return None if v is None else int(v)
+
+
+def _dig(d: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
+    for k in keys:
+        if not isinstance(d, Mapping) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+_CONFIG_FIELDS = set(EngineConfig.model_fields)
+_CAMEL = {"swapSpaceGiB": "swap_space", "swap_space_gib": "swap_space", "kvCacheMemoryGiB": "kv_cache_memory"}
+
+
+def _config_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Engine config from a dict keyed by snake_case, vLLM dashed or CRD camelCase names; strings coerced."""
+    out: dict[str, Any] = {}
+    for k, v in dict(cfg).items():
+        key = _CAMEL.get(k) or k.replace("-", "_")
+        if key not in _CONFIG_FIELDS:
+            key = "".join("_" + c.lower() if c.isupper() else c for c in k)
+        if key in _CONFIG_FIELDS and v is not None and v != "":
+            if isinstance(v, str) and v.lower() in ("true", "false"):
+                v = v.lower() == "true"
+            elif isinstance(v, str) and v.lower() in ("none", "null"):
+                continue
+            out[key] = v
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Prometheus-style figures
+
+
+LabelKey = tuple[tuple[str, str], ...]
+
+
+class MetricFigures:
+    """Window figures keyed by (metric name, labels).
+
+    ``values[(name, labels)]`` is the window's figure: for counters and histogram series the increase
+    over the window, for gauges the mean. ``maxima`` optionally holds gauge maxima
+    (``max_over_time``). ``info`` holds the label sets of ``*_info`` series.
+    """
+
+    def __init__(self, values: Mapping[tuple[str, LabelKey], float] | None = None,
+                 maxima: Mapping[tuple[str, LabelKey], float] | None = None) -> None:
+        self.values: dict[tuple[str, LabelKey], float] = dict(values or {})
+        self.maxima: dict[tuple[str, LabelKey], float] = dict(maxima or {})
+
+    @staticmethod
+    def key(name: str, **labels: str) -> tuple[str, LabelKey]:
+        return name, tuple(sorted(labels.items()))
+
+    def set(self, name: str, value: float, **labels: str) -> None:
+        self.values[self.key(name, **labels)] = float(value)
+
+    def series(self, name: str) -> list[tuple[dict[str, str], float]]:
+        return [(dict(lk), v) for (n, lk), v in self.values.items() if n == name]
+
+    def get(self, name: str, agg: str = "mean", **labels: str) -> float | None:
+        """Sum of the series of ``name`` whose labels include ``labels`` (None when there is none)."""
+        src = self.maxima if agg == "max" else self.values
+        found = [v for (n, lk), v in src.items() if n == name and all(dict(lk).get(k) == w for k, w in labels.items())]
+        if not found and agg == "max":
+            return None
+        return sum(found) if found else None
+
+    def info_labels(self, name: str) -> dict[str, str] | None:
+        for (n, lk), _ in self.values.items():
+            if n == name:
+                return dict(lk)
+        return None
+
+    def hist_count(self, name: str) -> float | None:
+        return self.get(name + "_count")
+
+    def hist_sum(self, name: str) -> float | None:
+        return self.get(name + "_sum")
+
+    def buckets(self, name: str) -> list[tuple[float, float]]:
+        acc: dict[float, float] = {}
+        for labels, v in self.series(name + "_bucket"):
+            le = labels.get("le")
+            if le is None:
+                continue
+            b = math.inf if le in ("+Inf", "inf", "Inf") else float(le)
+            acc[b] = acc.get(b, 0.0) + v
+        return sorted(acc.items())
+
+    def hist_quantile(self, name: str, q: float) -> float:
+        """Prometheus' histogram_quantile: linear interpolation inside the bucket (0 when empty)."""
+        bs = self.buckets(name)
+        if not bs or bs[-1][1] <= 0:
+            return 0.0
+        total = bs[-1][1]
+        rank = q * total
+        prev_le, prev_c = 0.0, 0.0
+        for le, c in bs:
+            if c >= rank:
+                if math.isinf(le):
+                    return prev_le
+                if c == prev_c:
+                    return le
+                return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
+            prev_le, prev_c = le, c
+        return prev_le
+
+    def hist_cdf(self, name: str, x: float, default: float = 1.0) -> float:
+        """Share of observations <= x (interpolated inside the bucket)."""
+        bs = self.buckets(name)
+        if not bs or bs[-1][1] <= 0:
+            return default
+        total = bs[-1][1]
+        prev_le, prev_c = 0.0, 0.0
+        for le, c in bs:
+            if x <= le:
+                if math.isinf(le):
+                    return prev_c / total
+                frac = (x - prev_le) / (le - prev_le) if le > prev_le else 1.0
+                return (prev_c + (c - prev_c) * frac) / total
+            prev_le, prev_c = le, c
+        return 1.0
+
+    # ---- sources ----
+    @classmethod
+    def from_prometheus_text(cls, text: str) -> "MetricFigures":
+        """One scrape of ``/metrics``: counters since start, gauges now (their max is the value now)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        values: dict[tuple[str, LabelKey], float] = {}
+        for fam in text_string_to_metric_families(text):
+            for smp in fam.samples:
+                values[smp.name, tuple(sorted(smp.labels.items()))] = float(smp.value)
+        for (n, lk), v in list(values.items()):
+            # prometheus_client strips `_total` from counter family names but keeps it on samples; accept both
+            if n.endswith("_total"):
+                values.setdefault((n[: -len("_total")], lk), v)
+        return cls(values, maxima=dict(values))
+
+    def delta(self, earlier: "MetricFigures") -> "MetricFigures":
+        """Window figures between two scrapes: counters and histogram series subtracted, gauges kept."""
+        out: dict[tuple[str, LabelKey], float] = {}
+        for k, v in self.values.items():
+            name = k[0]
+            if name.endswith(("_total", "_count", "_sum", "_bucket", "_created")) and k in earlier.values:
+                out[k] = max(0.0, v - earlier.values[k])
+            else:
+                out[k] = v
+        maxima = {k: max(v, earlier.maxima.get(k, v)) for k, v in self.maxima.items()}
+        return MetricFigures(out, maxima)
