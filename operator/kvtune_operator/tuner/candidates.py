@@ -1,0 +1,499 @@
+"""Candidate configs around the current one, inside the user's bounds.
+
+The memory picture comes from the observation (bytes by kind, measured), so a candidate never asks
+for more device memory than the measured peak non-KV memory plus a safety margin leaves:
+
+    usable(u)        = u * device_total
+    kv_bytes(u, T)   = usable(u) - weights - activations_peak(T)        (T = max_num_batched_tokens)
+    u_max            = (device_total - overshoot - margin) / device_total
+    margin           = max(margin_min_bytes, margin_frac * measured non-KV)  (allocator slack, CUDA context)
+    overshoot        = max(0, measured weights + activations peak + KV - u_now * device_total)
+
+``activations_peak(T)`` scales linearly with the token budget from the measured value (the
+activation buffers are sized per batched token).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from kvtune_engine.config import BLOCK_SIZES, ConfigError, EngineConfig
+
+from .observation import GiB, Observation
+
+# ----------------------------------------------------------------------------------------------
+# Bounds
+
+_NAMES = {  # every spelling users write -> EngineConfig field
+    "blockSize": "block_size", "gpuMemoryUtilization": "gpu_memory_utilization",
+    "swapSpaceGiB": "swap_space", "swapSpace": "swap_space", "maxNumSeqs": "max_num_seqs",
+    "maxNumBatchedTokens": "max_num_batched_tokens", "enableChunkedPrefill": "enable_chunked_prefill",
+    "enablePrefixCaching": "enable_prefix_caching", "watermark": "watermark", "maxModelLen": "max_model_len",
+}
+#: CRD (camelCase) spelling of each knob, for messages users read next to their spec.
+CAMEL = {v: k for k, v in _NAMES.items() if k not in ("swapSpace",)}
+
+
+def knob_name(key: str) -> str:
+    key = key.strip()
+    if key in _NAMES:
+        return _NAMES[key]
+    k = key.replace("-", "_")
+    if k == "swap_space_gib":
+        return "swap_space"
+    if k in EngineConfig.model_fields:
+        return k
+    raise ConfigError(f"unknown knob {key!r} in bounds; knobs: {', '.join(sorted(CAMEL))}")
+
+
+@dataclass(frozen=True)
+class Range:
+    lo: float
+    hi: float
+
+    def clamp(self, v: float) -> float:
+        return min(self.hi, max(self.lo, v))
+
+    def __contains__(self, v: float) -> bool:
+        return self.lo - 1e-9 <= v <= self.hi + 1e-9
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the tuner may set. Defaults are wide; users narrow them (``spec.autotune.bounds``)."""
+    block_size: tuple[int, ...] = BLOCK_SIZES
+    gpu_memory_utilization: Range = Range(0.5, 0.95)
+    swap_space: Range = Range(0.0, 64.0)
+    max_num_seqs: Range = Range(1, 1024)
+    max_num_batched_tokens: Range = Range(16, 65536)
+    enable_chunked_prefill: tuple[bool, ...] = (True, False)
+    enable_prefix_caching: tuple[bool, ...] = (True, False)
+    watermark: Range | None = None          # None: never tuned
+
+    def allows(self, cfg: EngineConfig) -> bool:
+        return (cfg.block_size in self.block_size
+                and cfg.gpu_memory_utilization in self.gpu_memory_utilization
+                and cfg.swap_space in self.swap_space
+                and cfg.max_num_seqs in self.max_num_seqs
+                and cfg.max_num_batched_tokens in self.max_num_batched_tokens
+                and cfg.enable_chunked_prefill in self.enable_chunked_prefill
+                and cfg.enable_prefix_caching in self.enable_prefix_caching)
+
+    def violations(self, cfg: EngineConfig) -> list[str]:
+        out = []
+        for k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens"):
+            r: Range = getattr(self, k)
+            if getattr(cfg, k) not in r:
+                out.append(f"{k}={getattr(cfg, k)} outside [{r.lo:g}, {r.hi:g}]")
+        for k in ("block_size", "enable_chunked_prefill", "enable_prefix_caching"):
+            if getattr(cfg, k) not in getattr(self, k):
+                out.append(f"{k}={getattr(cfg, k)} not in {list(getattr(self, k))}")
+        return out
+
+    @classmethod
+    def parse(cls, spec: Mapping[str, Any] | Iterable[str] | None) -> "Bounds":
+        """From the CRD's ``bounds`` mapping (``{blockSize: [16, 32], maxNumSeqs: {min: 32, max: 512}}``)
+        or CLI strings (``max-num-seqs=32:512``, ``block-size=16,32``, ``enable-chunked-prefill=true``).
+
+        A ``[lo, hi]`` pair or ``{min, max}`` is a range (for block size: the allowed sizes between);
+        ``a,b,c`` lists allowed values; one value pins the knob.
+        """
+        if spec is None:
+            return cls()
+        items: list[tuple[str, Any]] = []
+        if isinstance(spec, Mapping):
+            items = list(spec.items())
+        else:
+            for s in spec:
+                for part in str(s).split(";"):
+                    part = part.strip()
+                    if not part:
+                        continue
+                    if "=" not in part:
+                        raise ConfigError(f"bounds: {part!r} is not KNOB=LO:HI or KNOB=V1,V2")
+                    k, _, v = part.partition("=")
+                    items.append((k, _parse_cli_value(v.strip())))
+        vals: dict[str, Any] = {}
+        for key, v in items:
+            k = knob_name(key)
+            if k in ("enable_chunked_prefill", "enable_prefix_caching"):
+                vv = v if isinstance(v, (list, tuple)) else [v]
+                vals[k] = tuple(_bool(x) for x in vv)
+            elif k == "block_size":
+                # a list is the set of allowed sizes (the CRD's blockSize: [16, 32]); {min, max} a range
+                if isinstance(v, (list, tuple)):
+                    listed = [float(_num(x)) for x in v]
+                else:
+                    lo, hi, listed = _span(v)
+                if listed is not None:
+                    bad = [b for b in listed if int(b) not in BLOCK_SIZES]
+                    if bad:
+                        raise ConfigError(f"bounds: block size {bad} not in {list(BLOCK_SIZES)}")
+                    vals[k] = tuple(sorted(int(b) for b in listed))
+                else:
+                    vals[k] = tuple(b for b in BLOCK_SIZES if lo <= b <= hi)
+                if not vals[k]:
+                    raise ConfigError(f"bounds: no allowed block size in {v!r}")
+            elif k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens",
+                       "watermark"):
+                lo, hi, listed = _span(v)
+                if listed is not None:
+                    lo, hi = min(listed), max(listed)
+                if lo > hi:
+                    raise ConfigError(f"bounds: {key} min {lo} > max {hi}")
+                if k == "gpu_memory_utilization" and not (0 < lo and hi <= 1):
+                    raise ConfigError(f"bounds: gpuMemoryUtilization must lie in (0, 1], got {lo}..{hi}")
+                if lo < 0:
+                    raise ConfigError(f"bounds: {key} must not be negative")
+                vals[k] = Range(float(lo), float(hi))
+            else:
+                raise ConfigError(f"bounds: {key} is not a tuned knob")
+        return cls(**vals)
+
+    def freeze(self, cfg: EngineConfig, knobs: Iterable[str]) -> "Bounds":
+        """Pin ``knobs`` (any spelling) to their value in ``cfg`` (``spec.autotune.frozenKnobs``)."""
+        from dataclasses import replace as _replace
+
+        ch: dict[str, Any] = {}
+        for key in knobs:
+            k = knob_name(key)
+            v = getattr(cfg, k)
+            if k in ("block_size", "enable_chunked_prefill", "enable_prefix_caching"):
+                ch[k] = (v,)
+            elif k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens", "watermark"):
+                ch[k] = Range(float(v), float(v))
+        return _replace(self, **ch)
+
+    def around(self, cfg: EngineConfig) -> "Bounds":
+        """These bounds widened to contain ``cfg`` (so the user's baseline is always allowed)."""
+        from dataclasses import replace as _replace
+
+        ch: dict[str, Any] = {}
+        for k in ("block_size", "enable_chunked_prefill", "enable_prefix_caching"):
+            if getattr(cfg, k) not in getattr(self, k):
+                ch[k] = tuple(sorted(set(getattr(self, k)) | {getattr(cfg, k)}))
+        for k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens"):
+            r: Range = getattr(self, k)
+            v = float(getattr(cfg, k))
+            if v not in r:
+                ch[k] = Range(min(r.lo, v), max(r.hi, v))
+        return _replace(self, **ch) if ch else self
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k in ("block_size", "enable_chunked_prefill", "enable_prefix_caching"):
+            out[k] = list(getattr(self, k))
+        for k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens", "watermark"):
+            r = getattr(self, k)
+            if r is not None:
+                out[k] = {"min": r.lo, "max": r.hi}
+        return out
+
+
+def _parse_cli_value(v: str) -> Any:
+    if ":" in v:
+        lo, _, hi = v.partition(":")
+        return {"min": _num(lo) if lo else 0, "max": _num(hi) if hi else math.inf}
+    if "," in v:
+        return [_num(x) for x in v.split(",") if x.strip()]
+    return _num(v)
+
+
+def _num(x: Any) -> Any:
+    if isinstance(x, (int, float, bool)):
+        return x
+    s = str(x).strip()
+    if s.lower() in ("true", "false", "on", "off", "yes", "no"):
+        return _bool(s)
+    try:
+        f = float(s)
+    except ValueError:
+        raise ConfigError(f"bounds: {s!r} is not a number") from None
+    return int(f) if f.is_integer() and "." not in s else f
+
+
+def _bool(x: Any) -> bool:
+    if isinstance(x, bool):
+        return x
+    s = str(x).strip().lower()
+    if s in ("true", "on", "yes", "1"):
+        return True
+    if s in ("false", "off", "no", "0"):
+        return False
+    raise ConfigError(f"bounds: {x!r} is not true or false")
+
+
+def _span(v: Any) -> tuple[float, float, list[float] | None]:
+    """(lo, hi, listed values or None) from {min,max}, [lo, hi], a list, or one value."""
+    if isinstance(v, Mapping):
+        return float(_num(v.get("min", 0))), float(_num(v.get("max", math.inf))), None
+    if isinstance(v, (list, tuple)):
+        nums = [float(_num(x)) for x in v]
+        if not nums:
+            raise ConfigError("bounds: empty list")
+        if len(nums) == 2:
+            return min(nums), max(nums), None
+        return min(nums), max(nums), nums
+    f = float(_num(v))
+    return f, f, [f]
+
+
+# ----------------------------------------------------------------------------------------------
+# Memory
+
+
+@dataclass(frozen=True)
+class Safety:
+    margin_frac: float = 0.10              # of the measured non-KV memory
+    margin_min_bytes: float = 1.0 * GiB    # CUDA context, allocator slack, other processes
+    swap_headroom: float = 1.5             # swap sized to this many times the observed swap volume
+
+
+@dataclass(frozen=True)
+class MemoryPicture:
+    """Device memory as measured in the window, and what a candidate config would get."""
+    device_total: float
+    weights: float
+    activations_peak: float
+    kv_cache: float
+    tokens_budget: int               # max_num_batched_tokens the activation peak was measured at
+    utilization: float               # gpu_memory_utilization the window ran at
+    kv_bytes_per_token: float        # measured: kv_cache bytes / (num_blocks * block_size)
+    host_swap_bytes_max: float | None = None
+
+    @classmethod
+    def from_observation(cls, obs: Observation) -> "MemoryPicture | None":
+        m = obs.memory
+        total = float(m.get("device_total", 0) or 0)
+        kv = float(m.get("kv_cache", 0) or 0)
+        if total <= 0 or kv <= 0 or obs.num_blocks <= 0:
+            return None
+        return cls(device_total=total, weights=float(m.get("weights", 0) or 0),
+                   activations_peak=float(m.get("activations_peak", 0) or 0), kv_cache=kv,
+                   tokens_budget=obs.config.max_num_batched_tokens,
+                   utilization=obs.config.gpu_memory_utilization,
+                   kv_bytes_per_token=kv / (obs.num_blocks * obs.config.block_size))
+
+    def activations(self, tokens_budget: int) -> float:
+        return self.activations_peak * tokens_budget / max(1, self.tokens_budget)
+
+    def kv_bytes(self, cfg: EngineConfig) -> float:
+        return cfg.gpu_memory_utilization * self.device_total - self.weights - self.activations(cfg.max_num_batched_tokens)
+
+    def num_blocks(self, cfg: EngineConfig) -> int:
+        return max(0, int(self.kv_bytes(cfg) // (self.kv_bytes_per_token * cfg.block_size)))
+
+    def non_kv(self) -> float:
+        return self.weights + self.activations_peak
+
+    def max_utilization(self, safety: Safety = Safety(), tokens_budget: int | None = None) -> float:
+        """The highest gpu_memory_utilization the measured memory allows, with the safety margin."""
+        margin = max(safety.margin_min_bytes, safety.margin_frac * self.non_kv())
+        planned = self.utilization * self.device_total
+        measured = self.non_kv() + self.kv_cache
+        overshoot = max(0.0, measured - planned)
+        extra_act = 0.0
+        if tokens_budget is not None:  # a bigger token budget needs more activation memory, outside KV
+            extra_act = max(0.0, self.activations(tokens_budget) - self.activations_peak) * safety.margin_frac
+        return max(0.0, (self.device_total - overshoot - margin - extra_act) / self.device_total)
+
+    def unused_bytes(self) -> float:
+        """Device memory outside the engine's budget, beyond the safety margin."""
+        return max(0.0, (self.max_utilization() - self.utilization) * self.device_total)
+
+
+def swap_needed_gib(obs: Observation, safety: Safety = Safety()) -> float | None:
+    """Swap volume the window asked for, in GiB, with headroom; None when the window did not swap.
+
+    Observed volume = peak swap usage of the pool; swap-full events are requests that wanted to swap
+    but found no room, each as big as an average swapped request (the pool's peak divided by the
+    swap preemptions, at least one request's blocks)."""
+    cfg = obs.config
+    if obs.preemptions_swap == 0 and obs.swap_full == 0:
+        return None
+    pool = cfg.swap_space
+    used = obs.swap_usage_peak * pool
+    per_req_gib = used / max(1, obs.preemptions_swap) if used > 0 else None
+    if per_req_gib is None:
+        lengths = obs.lengths
+        kv_tok = MemoryPicture.from_observation(obs)
+        if lengths is None or kv_tok is None:
+            return None
+        per_req_gib = lengths.total_mean * kv_tok.kv_bytes_per_token / GiB
+    wanted = used + per_req_gib * min(obs.swap_full, max(1, obs.preemptions_swap + obs.swap_full))
+    return wanted * safety.swap_headroom
+
+
+# ----------------------------------------------------------------------------------------------
+# Candidates
+
+
+@dataclass
+class CandidateSet:
+    configs: list[EngineConfig] = field(default_factory=list)
+    why: dict[str, str] = field(default_factory=dict)   # config json -> the move that made it
+
+    def add(self, cfg: EngineConfig | None, why: str) -> None:
+        if cfg is None:
+            return
+        key = cfg.model_dump_json()
+        if key not in self.why:
+            self.configs.append(cfg)
+            self.why[key] = why
+
+
+def _try(cfg: EngineConfig, bounds: Bounds, **changes: Any) -> EngineConfig | None:
+    try:
+        c = cfg.with_changes(**changes)
+    except ConfigError:
+        return None
+    return c if bounds.allows(c) else None
+
+
+def _round_seqs(v: float) -> int:
+    v = max(1.0, v)
+    return int(v) if v < 16 else int(round(v / 8.0) * 8)
+
+
+def _round_tokens(v: float, block_size: int) -> int:
+    # budgets are multiples of 256 above 512 (kernel friendly), of the block size below
+    if v >= 512:
+        return int(round(v / 256.0) * 256)
+    return max(block_size, int(round(v / block_size) * block_size))
+
+
+def seq_cap_fit(obs: Observation, cfg: EngineConfig | None = None, target_usage: float = 0.9) -> int | None:
+    """How many sequences fit in the KV cache at the window's blocks per running sequence."""
+    cfg = cfg or obs.config
+    running = obs.running_mean or obs.running_peak
+    if running <= 0 or obs.kv_usage_mean <= 0 or obs.num_blocks <= 0:
+        return None
+    blocks_per_seq = obs.kv_usage_mean * obs.num_blocks / running
+    usable = obs.num_blocks * (1 - cfg.watermark) * target_usage
+    return max(1, int(usable / blocks_per_seq))
+
+
+def best_block_size(obs: Observation, allowed: Iterable[int], kernel_penalty: float = 0.0) -> int | None:
+    """The allowed block size with the least tail waste for the observed lengths (ties: the larger,
+    fewer blocks per sequence). None without a length distribution."""
+    if obs.lengths is None or not obs.lengths.totals:
+        return None
+    scored = [(obs.lengths.tail_waste(b) + kernel_penalty * (16 / b), -b, b) for b in allowed]
+    return min(scored)[2]
+
+
+def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), cause: str | None = None,
+            memory: MemoryPicture | None = None) -> CandidateSet:
+    """Single-knob moves around ``obs.config`` (plus the diagnosis' suggested value), in bounds.
+
+    ``cause`` (a diagnosis name) adds the scenario's fix even when it is far from the current value.
+    Combinations of the winning moves are made by the loop after a first prediction round
+    (``combine``).
+    """
+    cfg = obs.config
+    out = CandidateSet()
+    mem = memory or MemoryPicture.from_observation(obs)
+
+    # max_num_seqs
+    seqs = {cfg.max_num_seqs * f for f in (0.5, 1.5, 2.0, 3.0, 4.0)}
+    fit = seq_cap_fit(obs)
+    if fit:
+        seqs.add(fit)
+    for v in sorted(seqs):
+        v = int(bounds.max_num_seqs.clamp(_round_seqs(v)))
+        out.add(_try(cfg, bounds, max_num_seqs=v), f"max_num_seqs {cfg.max_num_seqs} -> {v}")
+
+    # max_num_batched_tokens (with chunked prefill off it must cover max_model_len)
+    toks = {cfg.max_num_batched_tokens * f for f in (0.5, 2.0, 4.0)}
+    if obs.lengths is not None and obs.lengths.count:
+        toks.add(obs.lengths.prompt_p95 * 1.1)
+    for v in sorted(toks):
+        v = int(bounds.max_num_batched_tokens.clamp(_round_tokens(v, cfg.block_size)))
+        out.add(_try(cfg, bounds, max_num_batched_tokens=v),
+                f"max_num_batched_tokens {cfg.max_num_batched_tokens} -> {v}")
+
+    # chunked prefill / prefix caching toggles
+    for k in ("enable_chunked_prefill", "enable_prefix_caching"):
+        nv = not getattr(cfg, k)
+        if nv in getattr(bounds, k):
+            c = _try(cfg, bounds, **{k: nv})
+            if c is None and k == "enable_chunked_prefill" and not nv:
+                # turning chunking off needs a budget that covers max_model_len
+                c = _try(cfg, bounds, enable_chunked_prefill=False,
+                         max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_model_len))
+            out.add(c, f"{k} -> {nv}")
+
+    # block size: neighbours, and the least-waste size for the observed lengths
+    allowed = sorted(bounds.block_size)
+    sizes = set()
+    if cfg.block_size in allowed:
+        i = allowed.index(cfg.block_size)
+        sizes.update(allowed[max(0, i - 1): i + 2])
+    else:
+        sizes.update(allowed)
+    bb = best_block_size(obs, allowed)
+    if bb:
+        sizes.add(bb)
+    for b in sorted(sizes - {cfg.block_size}):
+        out.add(_try(cfg, bounds, block_size=b), f"block_size {cfg.block_size} -> {b}")
+
+    # gpu_memory_utilization: up to what the measured memory allows
+    if mem is not None:
+        umax = min(bounds.gpu_memory_utilization.hi, mem.max_utilization(safety))
+        u = cfg.gpu_memory_utilization
+        if u > umax + 1e-9:  # over the safe line: any candidate must come down
+            out.add(_try(cfg, bounds, gpu_memory_utilization=round(max(bounds.gpu_memory_utilization.lo, umax), 3)),
+                    f"gpu_memory_utilization {u} -> {umax:.3f} (over the safe line)")
+        else:
+            for v in {u + 0.02, u + 0.05, u + 0.1, umax}:
+                v = round(min(umax, v), 3)
+                if v > u + 1e-9:
+                    out.add(_try(cfg, bounds, gpu_memory_utilization=v), f"gpu_memory_utilization {u} -> {v}")
+
+    # swap space: from the observed swap volume
+    need = swap_needed_gib(obs, safety)
+    sw = {cfg.swap_space * 2, cfg.swap_space * 4} if cfg.swap_space > 0 else {1.0, 4.0}
+    if need is not None:
+        sw.update({need, need * 2})
+    for v in sorted(sw):
+        v = float(math.ceil(bounds.swap_space.clamp(v) * 2) / 2)  # half GiB steps
+        v = bounds.swap_space.clamp(v)
+        if abs(v - cfg.swap_space) > 1e-9:
+            out.add(_try(cfg, bounds, swap_space=v), f"swap_space {cfg.swap_space} -> {v}")
+    return out
+
+
+def combine(base: EngineConfig, moves: list[EngineConfig], bounds: Bounds, *, limit: int = 8) -> list[EngineConfig]:
+    """Pairs (and the union) of single-knob moves that each beat ``base``, one value per knob:
+    the second round of the search. ``moves`` are in order of preference."""
+    from .decide import knob_changes
+
+    per_knob: dict[str, dict[str, Any]] = {}
+    for m in moves:
+        ch = knob_changes(base, m)
+        if len(ch) == 1 or (len(ch) == 2 and "max_num_batched_tokens" in ch and "enable_chunked_prefill" in ch):
+            key = "+".join(sorted(ch))
+            per_knob.setdefault(key, ch)
+    keys = list(per_knob)[:5]
+    out: list[EngineConfig] = []
+    seen = set()
+
+    def add(changes: dict[str, Any]) -> None:
+        c = _try(base, bounds, **changes)
+        if c is not None and c.model_dump_json() not in seen:
+            seen.add(c.model_dump_json())
+            out.append(c)
+
+    for i in range(len(keys)):
+        for j in range(i + 1, len(keys)):
+            if set(per_knob[keys[i]]) & set(per_knob[keys[j]]):
+                continue
+            add({**per_knob[keys[i]], **per_knob[keys[j]]})
+    if len(keys) >= 3:
+        merged: dict[str, Any] = {}
+        for k in keys:
+            if not set(per_knob[k]) & set(merged):
+                merged.update(per_knob[k])
+        add(merged)
+    return out[:limit]

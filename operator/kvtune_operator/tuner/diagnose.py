@@ -1,0 +1,281 @@
+"""Why do requests wait? One observation window in, one named cause out.
+
+A pure function: ``diagnose(obs) -> Diagnosis(cause, figures, message, knob, suggestion)``.
+
+Causes (the six scenarios of ``shared/reference/README.md``, plus two outcomes):
+
+=====================  ======================================================  =========================
+cause                  what the window shows                                   knob it names
+=====================  ======================================================  =========================
+SwapFull               preemptions wanted swap, the swap pool was full          swapSpaceGiB
+LongPromptHeadOfLine   a long prompt at the queue head stops on the token       enableChunkedPrefill /
+                       budget (or blocks) while short requests wait behind it   maxNumBatchedTokens
+SequenceCap            the head waits on max_num_seqs while KV is mostly free   maxNumSeqs
+SharedPrefixPinning    the head waits for blocks while the gauge shows room:    enablePrefixCaching /
+                       prefix-cached blocks hold the difference                 gpuMemoryUtilization
+BlockWaste             waits for blocks / preemptions with a large share of     blockSize
+                       empty tail slots; a smaller block wastes much less
+LowKVMemory            waits for blocks / preemptions while device memory is    gpuMemoryUtilization
+                       left unused under the safe line
+TokenBudget            the head waits on the token budget, no long prompt       maxNumBatchedTokens
+ComputeBound           requests queue but no limit stops the head: the engine   (replicas)
+                       is busy computing; KV knobs will not help
+Healthy                the head is rarely blocked, few preemptions, short queue (none)
+=====================  ======================================================  =========================
+
+The order of the checks is the order of the table: a full swap pool and a head-of-line prompt are
+specific (their symptom cannot come from another cause), the sequence cap is unambiguous when KV is
+free; among the memory causes, pinned prefix blocks and tail waste explain a shortage that more memory
+would only hide, so they are named before "too little memory".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .candidates import CAMEL, MemoryPicture, Safety, best_block_size, seq_cap_fit, swap_needed_gib
+from .observation import GiB, Observation
+
+CAUSES = ("SwapFull", "LongPromptHeadOfLine", "SequenceCap", "SharedPrefixPinning", "BlockWaste",
+          "LowKVMemory", "TokenBudget", "ComputeBound", "Healthy")
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    #: the head counts as blocked by a cause when that cause stopped it in at least this share of steps
+    blocked_share: float = 0.10
+    #: "KV mostly free" for the sequence cap
+    seq_cap_kv_usage: float = 0.70
+    #: a prompt is "long" when it is this many times the median prompt ...
+    long_prompt_ratio: float = 8.0
+    #: ... or at least this share of the token budget / of the KV cache
+    long_prompt_budget_share: float = 0.5
+    #: share of blocks held by the prefix cache (idle cached blocks) worth naming
+    cached_share: float = 0.20
+    #: prefix hit rate under which caching is not worth its pinned blocks
+    low_hit_rate: float = 0.30
+    #: internal fragmentation worth naming, and the relative saving a smaller block must bring
+    fragmentation: float = 0.15
+    waste_saving: float = 0.35
+    #: unused device memory worth naming (share of the device)
+    unused_memory_share: float = 0.03
+    #: preemptions per minute that count as memory pressure
+    preemptions_per_min: float = 1.0
+    #: p99 queue time (s) under which a window with no blocking is healthy
+    healthy_queue_p99_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    cause: str
+    message: str
+    figures: dict[str, Any] = field(default_factory=dict)
+    knob: str | None = None                   # EngineConfig field the cause names
+    suggestion: dict[str, Any] = field(default_factory=dict)   # knob -> value the figures suggest
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cause": self.cause, "message": self.message, "figures": dict(self.figures),
+                "knob": self.knob, "suggestion": dict(self.suggestion)}
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def _secs(x: float) -> str:
+    return f"{x:.2f}s" if x < 10 else f"{x:.0f}s"
+
+
+def _n(x: float) -> str:
+    return f"{x:.0f}" if abs(x - round(x)) < 0.05 or x >= 10 else f"{x:.1f}"
+
+
+def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Safety = Safety()) -> Diagnosis:
+    th = thresholds
+    cfg = obs.config
+    share = dict(obs.waiting_cause_share)
+    seqs_share = share.get("max_num_seqs", 0.0)
+    budget_share = share.get("token_budget", 0.0)
+    blocks_share = share.get("kv_blocks", 0.0) + share.get("watermark", 0.0)
+    mem = MemoryPicture.from_observation(obs)
+    minutes = obs.window_s / 60 if obs.window_s > 0 else 0.0
+    pre_per_min = obs.preemptions / minutes if minutes else (float(obs.preemptions) if obs.preemptions else 0.0)
+    mem_pressure = blocks_share >= th.blocked_share or pre_per_min >= th.preemptions_per_min
+    common = {
+        "kv_usage": round(obs.kv_usage_mean, 4),
+        "running": round(obs.running_peak, 1),
+        "waiting": round(obs.waiting_peak, 1),
+        "max_num_seqs": cfg.max_num_seqs,
+        "queue_time_p99_s": round(obs.queue_time_p99_s, 4),
+        "waiting_cause_share": {k: round(v, 4) for k, v in share.items()},
+        "preemptions": {"swap": obs.preemptions_swap, "recompute": obs.preemptions_recompute,
+                        "swap_full": obs.swap_full},
+    }
+
+    # 1. swap space full
+    if obs.swap_full > 0 and (obs.swap_usage_peak >= 0.9 or cfg.swap_space == 0):
+        need = swap_needed_gib(obs, safety)
+        target = float(math.ceil(need)) if need else max(1.0, 2 * cfg.swap_space)
+        figs = {**common, "swap_full": obs.swap_full, "swap_usage_peak": round(obs.swap_usage_peak, 4),
+                "swap_space_gib": cfg.swap_space, "swap_needed_gib": round(need or 0.0, 2)}
+        msg = (f"Swap space is full: {obs.swap_full} preemptions found the {cfg.swap_space:g} GiB swap pool "
+               f"{_pct(obs.swap_usage_peak)} used and fell back to recompute; raising {CAMEL['swap_space']} "
+               f"to {target:g} holds the observed swap volume.")
+        return Diagnosis("SwapFull", msg, figs, "swap_space", {"swap_space": target})
+
+    # 2. a long prompt at the queue head
+    L = obs.lengths
+    if L is not None and L.count and (budget_share >= th.blocked_share or blocks_share >= th.blocked_share):
+        long_vs_median = L.prompt_max >= th.long_prompt_ratio * max(1.0, L.prompt_p50)
+        long_vs_budget = L.prompt_max >= th.long_prompt_budget_share * cfg.max_num_batched_tokens
+        big_head = budget_share >= th.blocked_share or (
+            not cfg.enable_chunked_prefill and blocks_share >= th.blocked_share
+            and obs.kv_usage_mean < th.seq_cap_kv_usage)
+        if long_vs_median and long_vs_budget and big_head:
+            limit = "token budget" if budget_share >= blocks_share else "free KV blocks"
+            stuck = max(budget_share, blocks_share)
+            if not cfg.enable_chunked_prefill:
+                fix = (f"enabling {CAMEL['enable_chunked_prefill']} lets it in chunk by chunk while the "
+                       "short requests run")
+                sugg: dict[str, Any] = {"enable_chunked_prefill": True}
+                knob = "enable_chunked_prefill"
+            else:
+                v = int(2 ** math.ceil(math.log2(max(cfg.max_num_batched_tokens * 2, 1))))
+                fix = f"raising {CAMEL['max_num_batched_tokens']} to {v} lets more of it in per step"
+                sugg = {"max_num_batched_tokens": v}
+                knob = "max_num_batched_tokens"
+            figs = {**common, "prompt_max": L.prompt_max, "prompt_p50": L.prompt_p50,
+                    "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                    "enable_chunked_prefill": cfg.enable_chunked_prefill, "blocked_share": round(stuck, 4)}
+            msg = (f"A long prompt blocks the queue head: {L.prompt_max}-token prompts (median "
+                   f"{_n(L.prompt_p50)}) stop on the {limit} in {_pct(stuck)} of steps "
+                   f"(budget {cfg.max_num_batched_tokens} tokens/step, chunked prefill "
+                   f"{'on' if cfg.enable_chunked_prefill else 'off'}) while shorter requests wait behind them "
+                   f"(p99 queue {_secs(obs.queue_time_p99_s)}); {fix}.")
+            return Diagnosis("LongPromptHeadOfLine", msg, figs, knob, sugg)
+
+    # 3. sequence cap
+    if seqs_share >= th.blocked_share and seqs_share >= blocks_share and obs.kv_usage_mean < th.seq_cap_kv_usage:
+        fit = seq_cap_fit(obs) or cfg.max_num_seqs * 2
+        fit = max(fit, cfg.max_num_seqs + 1)
+        fit = int(fit if fit < 32 else fit // 16 * 16)
+        figs = {**common, "seq_cap_fit": fit, "blocked_share": round(seqs_share, 4)}
+        msg = (f"Requests wait on the sequence cap: {_n(obs.running_peak)} of {cfg.max_num_seqs} sequences "
+               f"running while KV usage is {_pct(obs.kv_usage_mean)}; raising {CAMEL['max_num_seqs']} to "
+               f"{fit} fits in the free blocks.")
+        return Diagnosis("SequenceCap", msg, figs, "max_num_seqs", {"max_num_seqs": fit})
+
+    # 4-6. not enough blocks: pinned prefix blocks, tail waste, too little memory
+    if mem_pressure:
+        cached = obs.cached_blocks_share or 0.0
+        hit = obs.prefix_cache_hit_rate
+        prefix_heavy = L is not None and L.prefix_share >= 0.3 and L.prefix_tokens_mean >= 0.3 * max(1.0, L.prompt_p50)
+        if cfg.enable_prefix_caching and blocks_share >= th.blocked_share and (
+                cached >= th.cached_share or (prefix_heavy and obs.kv_usage_mean < th.seq_cap_kv_usage)):
+            low_hit = hit is not None and hit < th.low_hit_rate
+            if low_hit:
+                fix = (f"the hit rate is only {_pct(hit)}, so turning {CAMEL['enable_prefix_caching']} off "
+                       "frees them")
+                sugg: dict[str, Any] = {"enable_prefix_caching": False}
+                knob = "enable_prefix_caching"
+            else:
+                fix = f"giving the cache more memory ({CAMEL['gpu_memory_utilization']}) keeps the prefix and frees room"
+                sugg = {}
+                knob = "gpu_memory_utilization"
+                if mem is not None:
+                    u = round(min(mem.max_utilization(safety), 0.99), 2)
+                    if u > cfg.gpu_memory_utilization:
+                        sugg = {"gpu_memory_utilization": u}
+                        fix = (f"raising {CAMEL['gpu_memory_utilization']} to {u:g} makes room for the prefix "
+                               "and the requests")
+                    elif hit is not None and hit < 0.6:
+                        fix = f"turning {CAMEL['enable_prefix_caching']} off frees them (hit rate {_pct(hit)})"
+                        sugg, knob = {"enable_prefix_caching": False}, "enable_prefix_caching"
+            figs = {**common, "cached_blocks_share": round(cached, 4),
+                    "prefix_cache_hit_rate": None if hit is None else round(hit, 4),
+                    "prefix_share": round(L.prefix_share, 4) if L else None,
+                    "blocked_share": round(blocks_share, 4)}
+            held = f"{_pct(cached)} of the blocks are held by the prefix cache" if cached else \
+                "shared-prefix blocks stay pinned in the cache"
+            msg = (f"Requests wait for KV blocks while the usage gauge reads {_pct(obs.kv_usage_mean)}: {held}"
+                   + (f" (hit rate {_pct(hit)})" if hit is not None else "")
+                   + f", so fewer blocks are allocatable than the gauge suggests; {fix}.")
+            return Diagnosis("SharedPrefixPinning", msg, figs, knob, sugg)
+
+        frag = obs.internal_fragmentation_mean
+        if frag >= th.fragmentation and L is not None and L.totals:
+            smaller = [b for b in sorted({8, 16, 32, 64, 128}) if b < cfg.block_size]
+            bb = best_block_size(obs, smaller + [cfg.block_size]) if smaller else None
+            if bb and bb < cfg.block_size:
+                now_w, new_w = L.tail_waste(cfg.block_size), L.tail_waste(bb)
+                if now_w > 0 and (now_w - new_w) / now_w >= th.waste_saving:
+                    more = (1 - new_w) / (1 - now_w) - 1 if now_w < 1 else 0.0
+                    figs = {**common, "internal_fragmentation": round(frag, 4), "block_size": cfg.block_size,
+                            "suggested_block_size": bb, "total_tokens_p50": round(_median(L.totals), 1),
+                            "tail_waste_now": round(now_w, 4), "tail_waste_suggested": round(new_w, 4)}
+                    msg = (f"KV blocks are wasted: {_pct(frag)} of the allocated token slots are empty tail slots "
+                           f"with {CAMEL['block_size']} {cfg.block_size} and requests of "
+                           f"{_n(_median(L.totals))} tokens (median); {CAMEL['block_size']} {bb} wastes "
+                           f"{_pct(new_w)} and fits about {_pct(more)} more tokens in the same memory.")
+                    return Diagnosis("BlockWaste", msg, figs, "block_size", {"block_size": bb})
+
+        if mem is not None:
+            umax = mem.max_utilization(safety)
+            unused = max(0.0, (umax - cfg.gpu_memory_utilization) * mem.device_total)
+            if unused >= th.unused_memory_share * mem.device_total:
+                u = round(math.floor(umax * 100) / 100, 2)
+                new_blocks = mem.num_blocks(cfg.with_changes(gpu_memory_utilization=u)) if u > 0 else 0
+                gain = new_blocks / obs.num_blocks - 1 if obs.num_blocks else 0.0
+                figs = {**common, "preemptions_per_min": round(pre_per_min, 2), "blocked_share": round(blocks_share, 4),
+                        "unused_bytes": unused, "gpu_memory_utilization": cfg.gpu_memory_utilization,
+                        "safe_max_utilization": round(umax, 4), "num_blocks": obs.num_blocks,
+                        "suggested_num_blocks": new_blocks}
+                what = (f"{obs.preemptions} preemptions ({pre_per_min:.1f}/min)" if obs.preemptions
+                        else f"the queue head waits for KV blocks in {_pct(blocks_share)} of steps")
+                msg = (f"Too little KV memory: {what} while {unused / GiB:.1f} GiB of device memory is unused; "
+                       f"raising {CAMEL['gpu_memory_utilization']} from {cfg.gpu_memory_utilization:g} to {u:g} "
+                       f"adds {new_blocks - obs.num_blocks} blocks (+{_pct(gain)}) and stays under the measured "
+                       f"peak non-KV memory plus the safety margin.")
+                return Diagnosis("LowKVMemory", msg, figs, "gpu_memory_utilization", {"gpu_memory_utilization": u})
+
+    # nothing stops the head often: healthy, or compute-bound
+    if obs.blocked_share < th.blocked_share and pre_per_min < th.preemptions_per_min \
+            and obs.queue_time_p99_s <= th.healthy_queue_p99_s:
+        msg = (f"Healthy: the queue head was blocked in {_pct(obs.blocked_share)} of steps, KV usage "
+               f"{_pct(obs.kv_usage_mean)}, {obs.preemptions} preemptions, p99 queue time "
+               f"{_secs(obs.queue_time_p99_s)}.")
+        return Diagnosis("Healthy", msg, common, None, {})
+    dom, dshare = obs.dominant_cause()
+    if dom is None or dshare < th.blocked_share:
+        msg = (f"Requests queue (p99 {_secs(obs.queue_time_p99_s)}) although no limit stops the queue head: "
+               f"the engine is compute-bound at {obs.output_tokens_per_s:.0f} output tokens/s; more replicas "
+               "help, KV knobs will not.")
+        return Diagnosis("ComputeBound", msg, {**common, "output_tokens_per_s": round(obs.output_tokens_per_s, 1)},
+                         None, {})
+    # a limit binds but the figures fit no named scenario: name the limit itself
+    if dom == "max_num_seqs":
+        fit = seq_cap_fit(obs) or cfg.max_num_seqs
+        msg = (f"Requests wait on the sequence cap ({_pct(dshare)} of steps) with KV usage "
+               f"{_pct(obs.kv_usage_mean)}: the cache is nearly as full as the cap allows; raising "
+               f"{CAMEL['max_num_seqs']} needs more KV memory too.")
+        return Diagnosis("SequenceCap", msg, {**common, "seq_cap_fit": fit}, "max_num_seqs", {})
+    if dom == "token_budget":
+        v = cfg.max_num_batched_tokens * 2
+        msg = (f"The queue head waits on the token budget in {_pct(dshare)} of steps "
+               f"({cfg.max_num_batched_tokens} tokens/step); raising {CAMEL['max_num_batched_tokens']} to {v} "
+               "admits prefills sooner.")
+        return Diagnosis("TokenBudget", msg, common, "max_num_batched_tokens", {"max_num_batched_tokens": v})
+    msg = (f"Too little KV memory: the queue head waits for KV blocks in {_pct(dshare)} of steps with "
+           f"{obs.preemptions} preemptions, and the device has no safe headroom left "
+           f"({CAMEL['gpu_memory_utilization']} {cfg.gpu_memory_utilization:g}); a smaller {CAMEL['max_num_seqs']} "
+           "avoids preemptions, more replicas add capacity.")
+    return Diagnosis("LowKVMemory", msg, common, "gpu_memory_utilization", {})
+
+
+def _median(xs: tuple[int, ...] | list[int]) -> float:
+    s = sorted(xs)
+    if not s:
+        return 0.0
+    m = len(s) // 2
+    return float(s[m]) if len(s) % 2 else (s[m - 1] + s[m]) / 2
