@@ -9,6 +9,7 @@ import click
 COMMANDS = {
     "sim": ("kvtune_engine.sim.cli:sim", "Replay a request trace through the scheduler in virtual time."),
     "trace": ("kvtune_engine.sim.cli:trace", "Generate request traces (scenarios, synthetic mixes)."),
+    "serve": ("kvtune_engine.server.cli:serve", "Serve a model: OpenAI API, /metrics, admin API /kvtune/v1/."),
 }
 
 
