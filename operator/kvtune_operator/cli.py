@@ -10,6 +10,7 @@ COMMANDS = {
     "sim": ("kvtune_engine.sim.cli:sim", "Replay a request trace through the scheduler in virtual time."),
     "trace": ("kvtune_engine.sim.cli:trace", "Generate request traces (scenarios, synthetic mixes)."),
     "serve": ("kvtune_engine.server.cli:serve", "Serve a model: OpenAI API, /metrics, admin API /kvtune/v1/."),
+    "diagnose": ("kvtune_operator.tuner_cli:diagnose_cmd", "Say why requests wait on a live engine (its /metrics and state)."),
 }
 
 

@@ -356,6 +356,7 @@ def _config_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 
 LabelKey = tuple[tuple[str, str], ...]
+_COUNTER_SUFFIXES = ("_total", "_count", "_sum", "_bucket", "_created")
 
 
 class MetricFigures:
@@ -455,18 +456,34 @@ class MetricFigures:
         for fam in text_string_to_metric_families(text):
             for smp in fam.samples:
                 values[smp.name, tuple(sorted(smp.labels.items()))] = float(smp.value)
-        for (n, lk), v in list(values.items()):
-            # prometheus_client strips `_total` from counter family names but keeps it on samples; accept both
-            if n.endswith("_total"):
-                values.setdefault((n[: -len("_total")], lk), v)
         return cls(values, maxima=dict(values))
+
+    @classmethod
+    def over_scrapes(cls, scrapes: list["MetricFigures"]) -> "MetricFigures":
+        """Window figures from several scrapes of one engine, oldest first: counters and histogram
+        series increase from the first to the last, gauges averaged, gauge maxima kept."""
+        if not scrapes:
+            return cls()
+        if len(scrapes) == 1:
+            return scrapes[0]
+        last = scrapes[-1].delta(scrapes[0])
+        for k in list(last.values):
+            if not k[0].endswith(_COUNTER_SUFFIXES):
+                vals = [s.values[k] for s in scrapes if k in s.values]
+                last.values[k] = sum(vals) / len(vals)
+        last.maxima = {}
+        for s in scrapes:
+            for k, v in s.values.items():
+                if not k[0].endswith(_COUNTER_SUFFIXES):
+                    last.maxima[k] = max(v, last.maxima.get(k, v))
+        return last
 
     def delta(self, earlier: "MetricFigures") -> "MetricFigures":
         """Window figures between two scrapes: counters and histogram series subtracted, gauges kept."""
         out: dict[tuple[str, LabelKey], float] = {}
         for k, v in self.values.items():
             name = k[0]
-            if name.endswith(("_total", "_count", "_sum", "_bucket", "_created")) and k in earlier.values:
+            if name.endswith(_COUNTER_SUFFIXES) and k in earlier.values:
                 out[k] = max(0.0, v - earlier.values[k])
             else:
                 out[k] = v
