@@ -1,0 +1,162 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Numerics follow `transformers` step for step (RMSNorm in float32 then cast, residual adds in the
+model dtype, rotate-half RoPE with cos/sin in float32 cast to the dtype), so logits match it on the
+same weights. Speed comes from fusing q/k/v and gate/up into one matmul each, computing the final
+norm and the LM head only for the rows that are sampled, and the paged attention in ../attention.
+Input is flat: one row per token of the step, no batch or padding dimension.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionMetadata, paged_attention, write_kv
+from .config import ModelConfig, ModelLoadError, parse_dtype
+from .weights import Checkpoint
+
+
+def _param(t: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t, requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float):
+        super().__init__()
+        self.weight = _param(weight)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, d/2] (rotate-half layout: pairs are (i, i + d/2))."""
+    x1, x2 = x.chunk(2, dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor | None]):
+        super().__init__()
+        self.cfg = cfg
+        self.input_norm = RMSNorm(w["input_norm"], cfg.rms_norm_eps)
+        self.post_norm = RMSNorm(w["post_norm"], cfg.rms_norm_eps)
+        self.qkv_w = _param(w["qkv_w"])
+        self.qkv_b = None if w["qkv_b"] is None else _param(w["qkv_b"])
+        self.o_w = _param(w["o_w"])
+        self.o_b = None if w["o_b"] is None else _param(w["o_b"])
+        self.gate_up_w = _param(w["gate_up_w"])
+        self.gate_up_b = None if w["gate_up_b"] is None else _param(w["gate_up_b"])
+        self.down_w = _param(w["down_w"])
+        self.down_b = None if w["down_b"] is None else _param(w["down_b"])
+        self.q_norm = RMSNorm(w["q_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(w["k_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor | None,
+                meta: AttentionMetadata, decode_fn=None) -> torch.Tensor:
+        c = self.cfg
+        t = h.shape[0]
+        qkv = F.linear(self.input_norm(h), self.qkv_w, self.qkv_b)
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(t, c.num_heads, c.head_dim)
+        k = k.view(t, c.num_kv_heads, c.head_dim)
+        v = v.view(t, c.num_kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None and meta.slot_mapping is not None:
+            write_kv(kv_cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, decode_fn)
+        h = h + F.linear(o.view(t, c.q_size), self.o_w, self.o_b)
+        gate, up = F.linear(self.post_norm(h), self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.down_w, self.down_b)
+
+
+class CausalLM(nn.Module):
+    """forward(ids, positions, caches, meta) -> hidden states; compute_logits(hidden rows) -> float32."""
+
+    def __init__(self, cfg: ModelConfig, embed: torch.Tensor, layers: list[DecoderLayer], norm: torch.Tensor,
+                 lm_head: torch.Tensor | None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _param(embed)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(norm, cfg.rms_norm_eps)
+        self.lm_head = self.embed if lm_head is None else _param(lm_head)
+        self.register_buffer("inv_freq", cfg.inv_freq().to(embed.device), persistent=False)
+        self.decode_fn = None  # set by the runner (Triton on CUDA); None: PyTorch reference
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor] | None,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope(positions)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, None if kv_caches is None else kv_caches[i], meta, self.decode_fn)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(hidden), self.lm_head).float()
+
+
+def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
+               device: str | torch.device = "cpu") -> CausalLM:
+    """Build the decoder from a local HF directory (config.json + safetensors); never downloads."""
+    cfg = ModelConfig.from_dir(model_dir)
+    dt = parse_dtype(dtype, cfg.dtype)
+    ck = Checkpoint(model_dir)
+    H, I, qs, kvs = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+
+    def get(name, shape):
+        return ck.get(name, shape, dt).to(device)
+
+    def opt(name, shape, present):
+        return get(name, shape) if present else None
+
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        w = {
+            "input_norm": get(p + "input_layernorm.weight", (H,)),
+            "post_norm": get(p + "post_attention_layernorm.weight", (H,)),
+            "qkv_w": torch.cat([get(a + "q_proj.weight", (qs, H)), get(a + "k_proj.weight", (kvs, H)),
+                                get(a + "v_proj.weight", (kvs, H))]),
+            "qkv_b": torch.cat([get(a + "q_proj.bias", (qs,)), get(a + "k_proj.bias", (kvs,)),
+                                get(a + "v_proj.bias", (kvs,))]) if cfg.qkv_bias else None,
+            "o_w": get(a + "o_proj.weight", (H, qs)),
+            "o_b": opt(a + "o_proj.bias", (H,), cfg.o_bias),
+            "gate_up_w": torch.cat([get(m + "gate_proj.weight", (I, H)), get(m + "up_proj.weight", (I, H))]),
+            "gate_up_b": torch.cat([get(m + "gate_proj.bias", (I,)), get(m + "up_proj.bias", (I,))])
+            if cfg.mlp_bias else None,
+            "down_w": get(m + "down_proj.weight", (H, I)),
+            "down_b": opt(m + "down_proj.bias", (H,), cfg.mlp_bias),
+            "q_norm": opt(a + "q_norm.weight", (cfg.head_dim,), cfg.qk_norm),
+            "k_norm": opt(a + "k_norm.weight", (cfg.head_dim,), cfg.qk_norm),
+        }
+        layers.append(DecoderLayer(cfg, w))
+    extra = sorted(n for n in ck.names() if n.startswith(f"model.layers.{cfg.num_layers}."))
+    if extra:
+        raise ModelLoadError(f"{Path(model_dir) / 'config.json'}: num_hidden_layers is {cfg.num_layers} but the "
+                             f"checkpoint has tensor {extra[0]!r}")
+    embed = get("model.embed_tokens.weight", (cfg.vocab_size, H))
+    lm_head = None if cfg.tie_word_embeddings else get("lm_head.weight", (cfg.vocab_size, H))
+    model = CausalLM(cfg, embed, layers, get("model.norm.weight", (H,)), lm_head)
+    ck.close()
+    return model.eval()

@@ -1,0 +1,225 @@
+"""The model runner: executes the scheduler's Batch on a real model over the paged KV cache.
+
+It owns the device KV cache (one tensor `[layers, 2, kv_heads, num_blocks, block_size, head_dim]`,
+zero-filled so that padded reads stay finite), the host swap pool of the same layout (pinned on CUDA),
+and the sampler. Each step: swap out, swap in, copy blocks; flatten the batch (decodes first, then
+prefill chunks) into token ids, positions and slot mapping; run the model; sample one token for
+every sequence that ends its prompt or decodes.
+
+Sizing: on CUDA, weights and the activation peak of a dummy forward of `max_num_batched_tokens`
+tokens are measured and `kv/sizing.py` turns them (with gpu_memory_utilization) into blocks, the same
+formula the simulator uses; on CPU `kv_cache_memory` GiB sizes the cache.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..attention import AttentionMetadata, PrefillChunk
+from ..config import EngineConfig
+from ..core.batch import Batch, ScheduledSeq, StepOutput
+from ..kv.sizing import KVCacheSize, kv_bytes_per_token, kv_cache_size
+from ..model import CausalLM, ModelLoadError, load_model
+from .sampler import Sampler
+
+log = logging.getLogger("kvtune.runner")
+
+CPU_DEFAULT_KV_GIB = 2.0  # CPU runs without kv_cache_memory
+
+
+def host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ModelRunner:
+    """Runner protocol implementation: `execute(batch) -> StepOutput`.
+
+    `num_blocks` / `num_swap_blocks` are what the scheduler must be built with. `memory` is the
+    memory picture in bytes: weights, activations_peak (None on CPU: not measured), kv_cache, swap,
+    device_total.
+    """
+
+    def __init__(self, model: str | Path | CausalLM, config: EngineConfig, *, device: str | torch.device = "cpu",
+                 dtype: str | torch.dtype | None = "auto", seed: int | None = None, use_triton: bool | None = None,
+                 num_blocks: int | None = None, num_swap_blocks: int | None = None):
+        self.config = config
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device) if cuda else 0
+        self.model = model if isinstance(model, CausalLM) else load_model(model, dtype, self.device)
+        self.model_config = mc = self.model.cfg
+        if mc.sliding_window is not None and config.max_model_len > mc.sliding_window:
+            raise ModelLoadError(
+                f"config.json: sliding_window {mc.sliding_window} is smaller than max_model_len "
+                f"{config.max_model_len}; sliding-window attention is not implemented: set "
+                f"--max-model-len <= {mc.sliding_window}")
+        self.dtype = self.model.dtype
+        self.block_size = config.block_size
+        self.sampler = Sampler(self.device, seed)
+        if use_triton is None:
+            use_triton = cuda
+        if use_triton:
+            from ..attention.triton_decode import available, paged_decode_triton
+            if available():
+                self.model.decode_fn = paged_decode_triton
+            else:
+                log.warning("triton is not installed: decode attention uses the PyTorch path")
+
+        weights = (torch.cuda.memory_allocated(self.device) - before) if cuda else sum(
+            p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+        per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize)
+        activations = None
+        if cuda:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            activations = self._profile_activations(weights)
+        else:
+            total = host_memory_bytes()
+        kv_gib = config.kv_cache_memory
+        if not cuda and kv_gib is None:
+            kv_gib = CPU_DEFAULT_KV_GIB
+            log.info("CPU run without kv_cache_memory: using %.1f GiB for the KV cache", kv_gib)
+        self.sizing: KVCacheSize = kv_cache_size(
+            device_total_bytes=total, gpu_memory_utilization=config.gpu_memory_utilization,
+            weights_bytes=weights, activation_peak_bytes=activations or 0, block_size=self.block_size,
+            kv_bytes_per_token=per_token, swap_space_gib=config.swap_space, kv_cache_memory_gib=kv_gib)
+        self.num_blocks = num_blocks if num_blocks is not None else self.sizing.num_blocks
+        self.num_swap_blocks = num_swap_blocks if num_swap_blocks is not None else self.sizing.num_swap_blocks
+        shape = (mc.num_layers, 2, mc.num_kv_heads, self.num_blocks, self.block_size, mc.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = list(self.kv_cache.unbind(0))  # per-layer views [2, kv_heads, blocks, bs, d]
+        hshape = shape[:3] + (self.num_swap_blocks,) + shape[4:]
+        self.swap_pool = torch.empty(hshape, dtype=self.dtype, device="cpu", pin_memory=cuda)
+        block_bytes = per_token * self.block_size
+        self.memory: dict[str, int | None] = {
+            "weights": int(weights), "activations_peak": activations,
+            "kv_cache": self.num_blocks * block_bytes, "swap": self.num_swap_blocks * block_bytes,
+            "device_total": int(total),
+        }
+
+    # ------------------------------------------------------------------ memory profile
+    @torch.inference_mode()
+    def _profile_activations(self, weights: int) -> int:
+        """Peak bytes beyond the weights during a forward of max_num_batched_tokens tokens (prefill
+        chunks of at most max_model_len) plus sampling of max_num_seqs rows, including memory that
+        torch does not allocate itself (CUDA context, library workspaces)."""
+        c, dev = self.config, self.device
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+        n = c.max_num_batched_tokens
+        chunks, start = [], 0
+        while start < n:
+            m = min(c.max_model_len, n - start)
+            chunks.append(PrefillChunk(start, m, 0, None))
+            start += m
+        ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        pos = torch.cat([torch.arange(ch.num_tokens, device=dev) for ch in chunks])
+        h = self.model(ids, pos, None, AttentionMetadata(self.block_size, None, prefills=chunks))
+        rows = torch.arange(min(c.max_num_seqs, n), device=dev) * 0 + (n - 1)
+        logits = self.model.compute_logits(h[rows])
+        torch.softmax(logits, -1).sort(dim=-1, descending=True)
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev)
+        free, total = torch.cuda.mem_get_info(dev)
+        non_torch = max(0, (total - free) - torch.cuda.memory_reserved(dev))
+        del h, logits
+        torch.cuda.empty_cache()
+        return int(peak - weights + non_torch)
+
+    # ------------------------------------------------------------------ block moves
+    def _swap_and_copy(self, batch: Batch) -> None:
+        dev = self.device
+        if batch.swap_out:
+            src = torch.tensor([a for a, _ in batch.swap_out], device=dev)
+            dst = torch.tensor([b for _, b in batch.swap_out])
+            self.swap_pool.index_copy_(3, dst, self.kv_cache.index_select(3, src).to("cpu"))
+        if batch.swap_in:
+            src = torch.tensor([a for a, _ in batch.swap_in])
+            dst = torch.tensor([b for _, b in batch.swap_in], device=dev)
+            self.kv_cache.index_copy_(3, dst, self.swap_pool.index_select(3, src).to(dev))
+        if batch.copy:
+            src = torch.tensor([a for a, _ in batch.copy], device=dev)
+            dst = torch.tensor([b for _, b in batch.copy], device=dev)
+            self.kv_cache.index_copy_(3, dst, self.kv_cache.index_select(3, src))
+
+    # ------------------------------------------------------------------ inputs
+    def prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+        """Flat inputs: (token ids, positions, attention metadata, order, sample rows).
+
+        `order[j]` is the batch index of the j-th sequence in flat order; `sample rows` are the flat
+        rows whose logits are sampled, in batch order of the sampled sequences."""
+        bs, dev = self.block_size, self.device
+        dec = [i for i, s in enumerate(seqs) if s.num_tokens == 1]
+        pre = [i for i, s in enumerate(seqs) if s.num_tokens != 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        lens: list[int] = []
+        tables: list[list[int]] = []
+        for i in dec:
+            s = seqs[i]
+            r, p = s.request, s.start_pos
+            np_ = len(r.prompt_token_ids)
+            ids.append(r.prompt_token_ids[p] if p < np_ else r.output_token_ids[p - np_])
+            pos.append(p)
+            slots.append(s.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            tables.append(s.block_table)
+        nd = len(dec)
+        prefill_chunks: list[PrefillChunk] = []
+        last_row: dict[int, int] = {i: j for j, i in enumerate(dec)}
+        slot_parts = [torch.tensor(slots, dtype=torch.int64)]
+        off = nd
+        for i in pre:
+            s = seqs[i]
+            n = s.num_tokens
+            ids.extend(s.token_ids)
+            p = torch.arange(s.start_pos, s.start_pos + n)
+            bt = torch.tensor(s.block_table, dtype=torch.int64)
+            slot_parts.append(bt[p // bs] * bs + p % bs)
+            pos.extend(range(s.start_pos, s.start_pos + n))
+            prefill_chunks.append(PrefillChunk(off, n, s.start_pos, bt.to(dev)))
+            off += n
+            last_row[i] = off - 1
+        meta = AttentionMetadata(bs, torch.cat(slot_parts).to(dev), num_decodes=nd,
+                                 prefills=prefill_chunks, decode_context_lens_list=lens)
+        if nd:
+            width = max(len(t) for t in tables)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+                                                    dtype=torch.int64, device=dev)
+            meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+        sample_rows = [last_row[i] for i, s in enumerate(seqs) if s.sample]
+        return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
+                meta, dec + pre, sample_rows)
+
+    # ------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def execute(self, batch: Batch) -> StepOutput:
+        t0 = time.perf_counter()
+        self._swap_and_copy(batch)
+        seqs = batch.seqs
+        tokens: list[int | None] = [None] * len(seqs)
+        logprobs = None
+        if seqs:
+            ids, pos, meta, _, rows = self.prepare(seqs)
+            hidden = self.model(ids, pos, self.kv_caches, meta)
+            sampled = [i for i, s in enumerate(seqs) if s.sample]
+            if sampled:
+                logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+                ids_out, lps = self.sampler(logits, [seqs[i].request for i in sampled])
+                for i, t in zip(sampled, ids_out):
+                    tokens[i] = t
+                if lps is not None:
+                    logprobs = [None] * len(seqs)
+                    for i, lp in zip(sampled, lps):
+                        logprobs[i] = lp
+        elif self.device.type == "cuda" and (batch.swap_out or batch.swap_in or batch.copy):
+            torch.cuda.synchronize(self.device)
+        return StepOutput(tokens=tokens, duration_s=time.perf_counter() - t0, logprobs=logprobs)
