@@ -1,0 +1,164 @@
+"""The effective engine config: the user's spec.engine merged with tuned values from status.
+
+Pure functions, no Kubernetes. The rules (also in status.baseline's description):
+
+* The user's spec is never written. Tuned values live in ``status.engine``, next to
+  ``status.baseline`` -- spec.engine as it was when status.engine was computed.
+* A tuned knob is kept while the autotune mode is not Off, the knob is tunable and not frozen,
+  the user has not edited that knob since (spec value == baseline value), and the tuned value is
+  still inside the current bounds. Otherwise the spec's value wins.
+* The merged config must pass the engine's own validation (EngineConfig); if it does not, the
+  spec's baseline is used as a whole.
+* autotune mode Off runs the spec exactly as written (tuned values are dropped, not kept aside).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from kvtune_engine.config import BLOCK_SIZES, EngineConfig
+from kvtune_operator.model import (
+    GPU_MEMORY_UTILIZATION_RANGE,
+    KNOBS,
+    TUNABLE_KNOBS,
+    AutotuneMode,
+    InferenceDeploymentSpec,
+    InferenceDeploymentStatus,
+    to_camel_dict,
+    to_engine_dict,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Inclusive numeric range; math.inf for an open upper end."""
+
+    min: float
+    max: float
+
+    def __contains__(self, value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and self.min <= value <= self.max
+
+
+@dataclasses.dataclass(frozen=True)
+class Choices:
+    """A finite set of allowed values (block sizes, booleans)."""
+
+    values: tuple[Any, ...]
+
+    def __contains__(self, value: object) -> bool:
+        return value in self.values
+
+
+@dataclasses.dataclass(frozen=True)
+class Effective:
+    """The merge's outcome: the config to render, which knobs are tuned, and tuned values dropped (why)."""
+
+    config: EngineConfig
+    baseline: EngineConfig
+    tuned: dict[str, Any]
+    dropped: dict[str, str]
+
+    def status_engine(self) -> dict[str, Any]:
+        """status.engine (camelCase, None fields omitted)."""
+        return {k: v for k, v in to_camel_dict(self.config.model_dump()).items() if v is not None}
+
+    def status_baseline(self) -> dict[str, Any]:
+        """status.baseline (camelCase, None fields omitted)."""
+        return {k: v for k, v in to_camel_dict(self.baseline.model_dump()).items() if v is not None}
+
+
+def autotune_mode(spec: InferenceDeploymentSpec, default: AutotuneMode | str) -> AutotuneMode:
+    """spec.autotune.mode, or the operator's default."""
+    mode = spec.autotune.mode if spec.autotune and spec.autotune.mode else default
+    return AutotuneMode(mode)
+
+
+def baseline_config(spec: InferenceDeploymentSpec) -> EngineConfig:
+    """spec.engine as an EngineConfig (raises ConfigError if the engine would refuse it)."""
+    return EngineConfig.build(**to_engine_dict(spec.engine.dump()))
+
+
+def frozen_knobs(spec: InferenceDeploymentSpec) -> set[str]:
+    """Knobs (snake_case) the tuner may not change: untunable ones and those the user froze."""
+    frozen = {k for k in KNOBS if k not in TUNABLE_KNOBS}
+    if spec.autotune and spec.autotune.frozen_knobs:
+        frozen |= set(to_engine_dict({k: True for k in spec.autotune.frozen_knobs}))
+    return frozen
+
+
+def knob_bounds(spec: InferenceDeploymentSpec) -> dict[str, Range | Choices]:
+    """Where each tunable, unfrozen knob (snake_case) may go: spec.autotune.bounds or the knob's limits."""
+    b = spec.autotune.bounds if spec.autotune and spec.autotune.bounds else None
+
+    def rng(r: Any, lo: float, hi: float) -> Range:
+        return Range(lo if r is None or r.min is None else r.min, hi if r is None or r.max is None else r.max)
+
+    out: dict[str, Range | Choices] = {
+        "block_size": Choices(tuple(b.block_size) if b and b.block_size else BLOCK_SIZES),
+        "gpu_memory_utilization": rng(b and b.gpu_memory_utilization, *GPU_MEMORY_UTILIZATION_RANGE),
+        "swap_space": rng(b and b.swap_space, 0.0, math.inf),
+        "max_num_seqs": rng(b and b.max_num_seqs, 1, math.inf),
+        "max_num_batched_tokens": rng(b and b.max_num_batched_tokens, 1, math.inf),
+        "enable_chunked_prefill": Choices((False, True)),
+        "enable_prefix_caching": Choices((False, True)),
+    }
+    frozen = frozen_knobs(spec)
+    return {k: v for k, v in out.items() if k not in frozen}
+
+
+def in_bounds(spec: InferenceDeploymentSpec, knob: str, value: Any) -> bool:
+    """May the tuner set `knob` (snake_case) to `value`?"""
+    bounds = knob_bounds(spec)
+    return knob in bounds and value in bounds[knob]
+
+
+def effective_engine(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None,
+                     mode: AutotuneMode | str) -> Effective:
+    """Merge spec.engine with the tuned values of status.engine (see the module's rules)."""
+    base = baseline_config(spec)
+    base_values = base.model_dump()
+    tuned_status = to_engine_dict(status.engine.dump()) if status and status.engine else {}
+    seen_baseline = to_engine_dict(status.baseline.dump()) if status and status.baseline else {}
+    merged = dict(base_values)
+    tuned: dict[str, Any] = {}
+    dropped: dict[str, str] = {}
+    bounds = knob_bounds(spec)
+    for knob, value in tuned_status.items():
+        if value == base_values.get(knob):
+            continue
+        camel = KNOBS[knob]
+        if AutotuneMode(mode) == AutotuneMode.OFF:
+            dropped[knob] = "autotune mode is Off"
+        elif knob not in bounds:
+            dropped[knob] = f"{camel} is not tuned (frozen)"
+        elif seen_baseline.get(knob) != base_values.get(knob):
+            dropped[knob] = f"spec.engine.{camel} was edited"
+        elif value not in bounds[knob]:
+            dropped[knob] = f"tuned {camel} {value} is outside autotune.bounds"
+        else:
+            merged[knob] = value
+            tuned[knob] = value
+    if tuned:
+        try:
+            return Effective(EngineConfig.build(**merged), base, tuned, dropped)
+        except ValueError as e:
+            dropped.update({k: f"tuned values are inconsistent with the spec: {e}" for k in tuned})
+    return Effective(base, base, {}, dropped)
+
+
+def tuned_status(spec: InferenceDeploymentSpec, current: EngineConfig, changes: dict[str, Any]) -> dict[str, Any]:
+    """status.engine / status.baseline after the tuner applies `changes` (snake_case) to `current`.
+
+    For the tuner: raises ValueError when a change is outside the bounds, frozen, or invalid.
+    """
+    for knob, value in changes.items():
+        if not in_bounds(spec, knob, value):
+            raise ValueError(f"{KNOBS.get(knob, knob)}={value!r} is outside the bounds or frozen")
+    new = current.with_changes(**changes)
+    base = baseline_config(spec)
+    return {
+        "engine": {k: v for k, v in to_camel_dict(new.model_dump()).items() if v is not None},
+        "baseline": {k: v for k, v in to_camel_dict(base.model_dump()).items() if v is not None},
+    }

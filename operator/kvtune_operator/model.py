@@ -1,0 +1,560 @@
+"""The InferenceDeployment resource as pydantic models: the single source of truth for the CRD.
+
+`crd.py` turns these models into the CRD's structural OpenAPI schema (descriptions, defaults,
+enums, bounds, and the cross-field CEL rules attached here with ``x-kubernetes-validations``), so
+``kubectl explain`` and the apiserver's validation say exactly what this file says.
+
+`spec.engine` mirrors the engine's own `EngineConfig` (kvtune_engine.config) in camelCase: the
+fields, their defaults, descriptions and bounds are derived from it, not retyped. Two fields carry
+their unit in the name (``swapSpaceGiB``, ``kvCacheMemoryGiB``); everything else is vLLM's flag name
+in camelCase (``--max-num-seqs`` -> ``maxNumSeqs``).
+
+Torch-free and kopf-free: the tuner, the CLI and the tests import this module freely.
+"""
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from enum import Enum
+from typing import Annotated, Any, Literal
+
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic.alias_generators import to_camel
+
+from kvtune_engine.config import BLOCK_SIZES, LIVE_KNOBS, RESTART_KNOBS, EngineConfig
+
+GROUP = "kvtune.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceDeployment"
+PLURAL = "inferencedeployments"
+SINGULAR = "inferencedeployment"
+SHORT_NAMES = ["infd"]
+CATEGORIES = ["kvtune"]
+
+# --------------------------------------------------------------------------------------------
+# Knob names: EngineConfig's snake_case <-> spec.engine's camelCase
+# --------------------------------------------------------------------------------------------
+
+#: Fields whose camelCase name also carries the unit (the engine's flag is in GiB).
+_CAMEL_OVERRIDES = {"swap_space": "swapSpaceGiB", "kv_cache_memory": "kvCacheMemoryGiB"}
+
+#: EngineConfig field (snake_case) -> spec.engine field (camelCase), in EngineConfig's order.
+KNOBS: dict[str, str] = {name: _CAMEL_OVERRIDES.get(name, to_camel(name)) for name in EngineConfig.model_fields}
+#: spec.engine field (camelCase) -> EngineConfig field (snake_case).
+KNOBS_BY_CAMEL: dict[str, str] = {camel: snake for snake, camel in KNOBS.items()}
+
+#: Bounds tighter than the engine's own (a cluster-facing safety margin).
+_SPEC_BOUNDS: dict[str, dict[str, float]] = {
+    "gpu_memory_utilization": {"ge": 0.1, "le": 0.98},
+}
+GPU_MEMORY_UTILIZATION_RANGE = (0.1, 0.98)
+
+
+def to_engine_dict(camel_values: dict[str, Any]) -> dict[str, Any]:
+    """spec/status engine values (camelCase) -> EngineConfig keyword arguments (snake_case)."""
+    return {KNOBS_BY_CAMEL[k]: v for k, v in camel_values.items() if k in KNOBS_BY_CAMEL}
+
+
+def to_camel_dict(engine_values: dict[str, Any]) -> dict[str, Any]:
+    """EngineConfig values (snake_case) -> spec/status engine values (camelCase)."""
+    return {KNOBS[k]: v for k, v in engine_values.items() if k in KNOBS}
+
+
+def _knob_note(name: str) -> str:
+    flag = "--" + name.replace("_", "-")
+    if name in RESTART_KNOBS:
+        how = "Changing it restarts the engine pods (a rolling update)."
+    elif name in LIVE_KNOBS:
+        how = "Applied live through the engine's config file; no restart."
+    else:  # pragma: no cover - every knob is one or the other
+        how = ""
+    return f" {how} vLLM flag {flag}.".rstrip()
+
+
+def _knob_field(name: str, *, with_default: bool) -> tuple[Any, Any]:
+    """(annotation, FieldInfo) of one knob for spec.engine (defaults) or status (all optional)."""
+    info = EngineConfig.model_fields[name]
+    annotation: Any = info.annotation
+    metadata = [m for m in info.metadata if isinstance(m, (Ge, Gt, Le, Lt))]
+    if name == "block_size":
+        annotation = Literal[BLOCK_SIZES]  # type: ignore[valid-type]
+        metadata = []
+        description = f"Token slots per KV-cache block; one of {', '.join(map(str, BLOCK_SIZES))}."
+    else:
+        description = info.description or name
+    if name in _SPEC_BOUNDS:
+        metadata = [
+            {"ge": Ge, "gt": Gt, "le": Le, "lt": Lt}[k](v) for k, v in _SPEC_BOUNDS[name].items()
+        ]
+    description += _knob_note(name)
+    optional = info.default is None or not with_default
+    if metadata:
+        annotation = Annotated[(annotation, *metadata)]
+    if optional:
+        annotation = annotation | None
+    default = info.default if with_default else None
+    return annotation, Field(default, alias=KNOBS[name], description=description)
+
+
+class CRDModel(BaseModel):
+    """Base of all resource models: camelCase on the wire, unknown fields ignored when reading."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
+                              use_enum_values=True)
+
+    def dump(self) -> dict[str, Any]:
+        """The wire form: camelCase, without unset/None fields."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+
+# --------------------------------------------------------------------------------------------
+# Shared types
+# --------------------------------------------------------------------------------------------
+
+DURATION_PATTERN = r"^([0-9]+(\.[0-9]+)?(ms|s|m|h))+$"
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+Duration = Annotated[str, Field(pattern=DURATION_PATTERN, max_length=32)]
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN, max_length=64)]
+Timestamp = Annotated[datetime, Field()]
+
+_DURATION_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(text: str) -> float:
+    """'1m30s' -> 90.0 seconds (the Go/Kubernetes duration syntax, without µs/ns)."""
+    if not re.fullmatch(DURATION_PATTERN, text):
+        raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 5m, 1h30m, 250ms)")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in re.findall(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)", text))
+
+
+#: Schema default of an object whose fields all have defaults: the apiserver then fills them in.
+_OBJECT_DEFAULT: dict[str, Any] = {"default": {}}
+
+
+def _rules(*rules: dict[str, str]) -> dict[str, Any]:
+    """json_schema_extra carrying CEL validation rules (x-kubernetes-validations)."""
+    return {"x-kubernetes-validations": list(rules)}
+
+
+# --------------------------------------------------------------------------------------------
+# spec
+# --------------------------------------------------------------------------------------------
+
+class PersistentVolumeClaimSource(CRDModel):
+    """A PersistentVolumeClaim in the InferenceDeployment's namespace that holds the weights."""
+
+    claim_name: str = Field(..., min_length=1, max_length=253, description="Name of the PersistentVolumeClaim.")
+    read_only: bool = Field(True, description="Mount the claim read-only (the engine never writes weights).")
+
+
+class HostPathSource(CRDModel):
+    """A directory on the node that holds the weights (single-node and test clusters)."""
+
+    path: str = Field(..., min_length=1, max_length=4096, pattern=r"^/", description="Absolute directory on the node.")
+    type: Literal["", "Directory", "DirectoryOrCreate"] = Field(
+        "Directory", description="hostPath type check done by the kubelet before mounting.")
+
+
+class ModelVolume(CRDModel):
+    """Where the weights come from: exactly one of persistentVolumeClaim or hostPath."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        {"rule": "has(self.persistentVolumeClaim) != has(self.hostPath)",
+         "message": "set exactly one of persistentVolumeClaim or hostPath"},
+        {"rule": "!(self.mountPath in ['/etc/kvtune', '/tmp', '/dev/shm', '/'])",
+         "message": "mountPath must not be /, /etc/kvtune, /tmp or /dev/shm (the operator mounts those)",
+         "fieldPath": ".mountPath"},
+    ))
+
+    persistent_volume_claim: PersistentVolumeClaimSource | None = Field(
+        None, description="Mount a PersistentVolumeClaim (the usual choice in production).")
+    host_path: HostPathSource | None = Field(None, description="Mount a directory of the node.")
+    mount_path: str = Field("/models", min_length=1, max_length=4096, pattern=r"^/",
+                            description="Where the volume is mounted in the engine container; model.path "
+                                        "must lie inside it.")
+    sub_path: str | None = Field(None, max_length=4096, pattern=r"^[^/]",
+                                 description="Mount only this sub-directory of the volume.")
+
+
+class ModelSpec(CRDModel):
+    """The model to serve. Weights are a local directory in Hugging Face layout; never fetched at run time."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        {"rule": "!has(self.volume) || self.path == self.volume.mountPath || "
+                 "self.path.startsWith(self.volume.mountPath.endsWith('/') ? self.volume.mountPath "
+                 ": self.volume.mountPath + '/')",
+         "message": "model.path must lie inside model.volume.mountPath, where the volume is mounted",
+         "fieldPath": ".path"},
+    ))
+
+    path: str = Field(..., min_length=2, max_length=4096, pattern=r"^/",
+                      description="Absolute path of the model directory inside the engine container "
+                                  "(config.json, *.safetensors, tokenizer.json), e.g. /models/Qwen3-8B.")
+    served_model_name: str | None = Field(
+        None, min_length=1, max_length=253,
+        description="Model name clients send in OpenAI requests; defaults to the InferenceDeployment's name.")
+    volume: ModelVolume | None = Field(
+        None, description="Volume holding the weights, mounted at mountPath. Omit when the weights are in the image.")
+
+
+class Resources(CRDModel):
+    """Compute resources of each engine pod."""
+
+    gpus: int = Field(1, ge=0, le=16, description="GPUs per pod (0 runs the engine on CPU).")
+    gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1, max_length=253,
+                                   description="Extended resource name of the GPU device plugin.")
+    memory: Quantity | None = Field(None, description="Memory request and limit of the engine container, e.g. 48Gi.")
+    cpu: Quantity | None = Field(None, description="CPU request of the engine container, e.g. 8.")
+
+
+class Toleration(CRDModel):
+    """A Kubernetes toleration (the core/v1 fields)."""
+
+    key: str | None = Field(None, max_length=317, description="Taint key; empty with operator Exists matches all.")
+    operator: Literal["Exists", "Equal"] = Field("Equal", description="Exists or Equal.")
+    value: str | None = Field(None, max_length=63, description="Taint value for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect to match; empty matches all effects.")
+    toleration_seconds: int | None = Field(None, ge=0, description="For NoExecute: how long the pod stays bound.")
+
+
+class EnvVar(CRDModel):
+    """An extra environment variable of the engine container."""
+
+    name: str = Field(..., min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
+                      description="Variable name.")
+    value: str = Field("", max_length=32768, description="Variable value.")
+
+
+_ENGINE_RULES = _rules(
+    {"rule": "self.maxNumBatchedTokens >= self.blockSize",
+     "message": "maxNumBatchedTokens must be at least blockSize: one step has to fit one block",
+     "fieldPath": ".maxNumBatchedTokens"},
+    {"rule": "self.enableChunkedPrefill || self.maxNumBatchedTokens >= self.maxModelLen",
+     "message": "without chunked prefill, maxNumBatchedTokens must be at least maxModelLen, or long "
+                "prompts could never be scheduled; enable chunked prefill or raise the budget",
+     "fieldPath": ".maxNumBatchedTokens"},
+)
+
+class _EngineSpecBase(CRDModel):
+    model_config = ConfigDict(json_schema_extra=_ENGINE_RULES)
+
+
+#: spec.engine: every EngineConfig knob, camelCase, with the engine's defaults.
+EngineSpec: type[CRDModel] = create_model(  # type: ignore[call-overload]
+    "EngineSpec",
+    __base__=_EngineSpecBase,
+    __doc__="The engine's KV-cache and scheduling knobs: the user's baseline (vLLM's flag names in "
+            "camelCase). Tuned values never overwrite these: they live in status.engine.",
+    **{name: _knob_field(name, with_default=True) for name in KNOBS},
+)
+
+#: status.engine / tuning before-after: the same knobs, all optional, no defaults.
+EngineKnobs: type[CRDModel] = create_model(  # type: ignore[call-overload]
+    "EngineKnobs",
+    __base__=CRDModel,
+    __doc__="Engine knobs (camelCase, as in spec.engine).",
+    **{name: _knob_field(name, with_default=False) for name in KNOBS},
+)
+
+
+class AutotuneMode(str, Enum):
+    OFF = "Off"
+    RECOMMEND = "Recommend"
+    APPLY = "Apply"
+
+
+class IntRange(CRDModel):
+    """An inclusive integer range; an omitted end means the knob's own limit."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        {"rule": "!has(self.min) || !has(self.max) || self.min <= self.max",
+         "message": "min must not be greater than max"}))
+
+    min: int | None = Field(None, ge=1, description="Smallest value the tuner may choose.")
+    max: int | None = Field(None, ge=1, description="Largest value the tuner may choose.")
+
+
+class GpuMemoryRange(CRDModel):
+    """An inclusive range of gpuMemoryUtilization; an omitted end means the allowed limit (0.1 / 0.98)."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        {"rule": "!has(self.min) || !has(self.max) || self.min <= self.max",
+         "message": "min must not be greater than max"}))
+
+    min: float | None = Field(None, ge=0.1, le=0.98, description="Smallest fraction the tuner may choose.")
+    max: float | None = Field(None, ge=0.1, le=0.98, description="Largest fraction the tuner may choose.")
+
+
+class SwapRange(CRDModel):
+    """An inclusive range of swap space in GiB; an omitted end means 0 / unbounded."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        {"rule": "!has(self.min) || !has(self.max) || self.min <= self.max",
+         "message": "min must not be greater than max"}))
+
+    min: float | None = Field(None, ge=0, description="Smallest swap space (GiB) the tuner may choose.")
+    max: float | None = Field(None, ge=0, description="Largest swap space (GiB) the tuner may choose.")
+
+
+#: Knobs the tuner may change (the others stay at the baseline); a subset may be frozen by the user.
+TUNABLE_KNOBS = (
+    "block_size", "gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens",
+    "enable_chunked_prefill", "enable_prefix_caching",
+)
+TunableKnob = Literal[tuple(KNOBS[k] for k in TUNABLE_KNOBS)]  # type: ignore[valid-type]
+
+
+class Bounds(CRDModel):
+    """Per-knob limits the tuner never leaves. An omitted knob may range over all its allowed values."""
+
+    block_size: list[Literal[BLOCK_SIZES]] | None = Field(  # type: ignore[valid-type]
+        None, min_length=1, max_length=len(BLOCK_SIZES),
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+        description=f"Block sizes the tuner may choose, a subset of {list(BLOCK_SIZES)}.")
+    gpu_memory_utilization: GpuMemoryRange | None = Field(None, description="Range of gpuMemoryUtilization.")
+    swap_space: SwapRange | None = Field(None, alias="swapSpaceGiB", description="Range of swapSpaceGiB.")
+    max_num_seqs: IntRange | None = Field(None, description="Range of maxNumSeqs.")
+    max_num_batched_tokens: IntRange | None = Field(None, description="Range of maxNumBatchedTokens.")
+
+
+class Objectives(CRDModel):
+    """Service-level targets the tuner optimises for (goodput under these, then throughput)."""
+
+    ttft_p95: Duration | None = Field(None, alias="ttftP95", description="95th percentile time to first token, e.g. 2s.")
+    tpot_p95: Duration | None = Field(None, alias="tpotP95", description="95th percentile time per output token, e.g. 100ms.")
+    queue_time_p95: Duration | None = Field(None, alias="queueTimeP95", description="95th percentile queue time, e.g. 1s.")
+    max_preemptions_per_minute: float | None = Field(
+        None, ge=0, description="Preemptions per minute (swap + recompute) above which the config is rejected.")
+
+
+class AutotuneSpec(CRDModel):
+    """Closed-loop tuning of the engine knobs. Omitted fields take the operator's defaults."""
+
+    mode: AutotuneMode | None = Field(
+        None, description="Off (quote it in YAML: \"Off\"): run spec.engine as written. Recommend: diagnose and predict, record the "
+                          "recommendation in status, change nothing. Apply: also apply it, verify it and roll it "
+                          "back if it did not help. Default: the operator's setting (Recommend unless configured).")
+    interval: Duration | None = Field(None, description="How often the tuner looks, e.g. 60s. Default: operator setting.")
+    window: Duration | None = Field(None, description="Observation window of metrics per decision, e.g. 5m. Default: operator setting.")
+    cooldown: Duration | None = Field(
+        None, description="Least time between two restart-requiring changes, e.g. 15m. Default: operator setting.")
+    objectives: Objectives | None = Field(None, description="Targets the tuner optimises for.")
+    bounds: Bounds | None = Field(None, description="Per-knob limits; the baseline in spec.engine must lie inside them.")
+    frozen_knobs: list[TunableKnob] | None = Field(  # type: ignore[valid-type]
+        None, max_length=len(TUNABLE_KNOBS), json_schema_extra={"x-kubernetes-list-type": "set"},
+        description="Knobs the tuner must never change, whatever the bounds.")
+
+
+class MetricsSpec(CRDModel):
+    """Where the engine's metrics are read from and how they are scraped."""
+
+    prometheus_url: str | None = Field(
+        None, max_length=2048, pattern=r"^https?://",
+        description="Prometheus the tuner queries, e.g. http://prometheus-operated.monitoring:9090. "
+                    "Default: the operator's setting.")
+    scrape_interval: Duration = Field("15s", description="Scrape interval written into the PodMonitor.")
+
+
+def _bounds_rule(knob: str) -> dict[str, str]:
+    b = f"self.autotune.bounds.{knob}"
+    return {
+        "rule": f"!has(self.autotune) || !has(self.autotune.bounds) || !has({b}) || "
+                f"((!has({b}.min) || self.engine.{knob} >= {b}.min) && "
+                f"(!has({b}.max) || self.engine.{knob} <= {b}.max))",
+        "message": f"engine.{knob} must lie inside autotune.bounds.{knob}: the baseline has to be a value "
+                   "the tuner may choose",
+        "fieldPath": f".engine.{knob}",
+    }
+
+
+class InferenceDeploymentSpec(CRDModel):
+    """An LLM served by kvtune's paged-KV engine, and how its KV-cache knobs are tuned."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(
+        {"rule": "!has(self.autotune) || !has(self.autotune.bounds) || !has(self.autotune.bounds.blockSize) || "
+                 "self.engine.blockSize in self.autotune.bounds.blockSize",
+         "message": "engine.blockSize must be one of autotune.bounds.blockSize: the baseline has to be a value "
+                    "the tuner may choose",
+         "fieldPath": ".engine.blockSize"},
+        *(_bounds_rule(k) for k in ("gpuMemoryUtilization", "swapSpaceGiB", "maxNumSeqs", "maxNumBatchedTokens")),
+    ))
+
+    model: ModelSpec = Field(..., description="The model to serve and where its weights are.")
+    image: str | None = Field(None, min_length=1, max_length=1024,
+                              description="Engine container image. Default: the operator's engine image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        None, description="Image pull policy of the engine container (Kubernetes default when omitted).")
+    replicas: int = Field(1, ge=0, le=1024, description="Number of engine pods (the scale subresource).")
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=_OBJECT_DEFAULT,
+                                 description="Compute resources of each engine pod.")
+    node_selector: dict[str, str] | None = Field(None, description="Node labels the engine pods must match.")
+    tolerations: list[Toleration] | None = Field(None, max_length=32, description="Tolerations of the engine pods.")
+    engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra=_OBJECT_DEFAULT,  # type: ignore[valid-type]
+                               description=EngineSpec.__doc__)
+    autotune: AutotuneSpec | None = Field(None, description="Closed-loop tuning of the engine knobs.")
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec, json_schema_extra=_OBJECT_DEFAULT,
+                                 description="Metrics collection for the tuner.")
+    extra_args: list[Annotated[str, Field(max_length=4096)]] | None = Field(
+        None, max_length=64,
+        description="Extra arguments appended to `kvtune serve` (e.g. --device cpu). Knobs belong in engine.")
+    env: list[EnvVar] | None = Field(None, max_length=64, description="Extra environment variables of the engine container.")
+
+
+# --------------------------------------------------------------------------------------------
+# status
+# --------------------------------------------------------------------------------------------
+
+class ConditionType(str, Enum):
+    READY = "Ready"
+    PROGRESSING = "Progressing"
+    METRICS_AVAILABLE = "MetricsAvailable"
+    TUNED = "Tuned"
+    DEGRADED = "Degraded"
+
+
+class Condition(CRDModel):
+    """One aspect of the resource's state, in the Kubernetes condition convention."""
+
+    type: ConditionType = Field(..., description="Ready, Progressing, MetricsAvailable, Tuned or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
+    reason: str = Field(..., min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
+                        description="One CamelCase word for machines.")
+    message: str = Field("", max_length=32768, description="What happened, for humans.")
+    observed_generation: int | None = Field(None, ge=0, description="metadata.generation this condition was computed for.")
+    last_transition_time: Timestamp = Field(..., description="When status last changed.")
+
+
+class Figures(CRDModel):
+    """Measured or predicted figures behind a diagnosis or a decision. More keys may be present."""
+
+    model_config = ConfigDict(extra="allow", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})
+
+    kv_usage_percent: float | None = Field(None, description="Used KV blocks / all KV blocks, percent (what dashboards call KV usage).")
+    waiting: int | None = Field(None, ge=0, description="Requests waiting.")
+    running: int | None = Field(None, ge=0, description="Requests running.")
+    swapped: int | None = Field(None, ge=0, description="Requests swapped out to CPU.")
+    internal_fragmentation_percent: float | None = Field(
+        None, description="Empty token slots in allocated blocks / allocated slots, percent.")
+    swap_usage_percent: float | None = Field(None, description="CPU swap pool in use, percent.")
+    prefix_cache_hit_percent: float | None = Field(None, description="Prefix cache hits / queries in tokens, percent.")
+    preemptions_per_minute: float | None = Field(None, ge=0, description="Preemptions (swap + recompute) per minute.")
+    queue_time_p95_seconds: float | None = Field(None, ge=0, description="95th percentile queue time, seconds.")
+    ttft_p95_seconds: float | None = Field(None, ge=0, description="95th percentile time to first token, seconds.")
+    tpot_p95_seconds: float | None = Field(None, ge=0, description="95th percentile time per output token, seconds.")
+    throughput_tokens_per_second: float | None = Field(None, ge=0, description="Generated tokens per second.")
+    goodput_requests_per_second: float | None = Field(None, ge=0, description="Requests per second meeting the objectives.")
+    waiting_reason_shares: dict[str, float] | None = Field(
+        None, description="Share of steps in which the waiting head was stopped, by reason "
+                          "(max_num_seqs, token_budget, kv_blocks, watermark, swap_space, none).")
+
+
+class Diagnosis(CRDModel):
+    """Why requests wait, in words and figures (written by the tuner)."""
+
+    cause: str = Field(..., max_length=64, pattern=r"^[A-Z][A-Za-z0-9]*$",
+                       description="Named cause, e.g. Healthy, SequenceCap, TokenBudget, LongPromptHeadOfLine, "
+                                   "KVCacheTooSmall, PrefixCachePinning, BlockWaste, SwapFull, NoMetrics.")
+    message: str = Field("", max_length=4096, description="One sentence a user understands.")
+    figures: Figures | None = Field(None, description="The figures behind the cause.")
+    observed_at: Timestamp | None = Field(None, description="End of the observation window.")
+    window: Duration | None = Field(None, description="Length of the observation window.")
+
+
+class TuningDecision(CRDModel):
+    """One decision of the tuner, with what it predicted and what was then measured."""
+
+    time: Timestamp = Field(..., description="When the decision was taken.")
+    action: Literal["Recommend", "Apply", "Keep", "RollBack", "Hold"] = Field(
+        ..., description="Recommend (not applied), Apply, Keep (verified), RollBack (verified worse) or Hold "
+                         "(nothing better found).")
+    cause: str | None = Field(None, max_length=64, description="The diagnosis cause that led to it.")
+    message: str = Field("", max_length=4096, description="The decision in one sentence.")
+    before: EngineKnobs | None = Field(None, description="Knobs before the change (only those that change).")  # type: ignore[valid-type]
+    after: EngineKnobs | None = Field(None, description="Knobs after the change (only those that change).")  # type: ignore[valid-type]
+    restart: bool = Field(False, description="Whether the change needs a restart (a rollout).")
+    predicted: Figures | None = Field(None, description="Simulator prediction for the new knobs.")
+    measured: Figures | None = Field(None, description="Measured over the window after the change.")
+
+
+TUNING_HISTORY_LIMIT = 10
+
+
+class TuningStatus(CRDModel):
+    """What the tuner is doing and what it did."""
+
+    mode: AutotuneMode | None = Field(None, description="Effective autotune mode (spec or operator default).")
+    phase: str | None = Field(
+        None, max_length=32, pattern=r"^[A-Z][A-Za-z]*$",
+        description="Off, Pending, Observing, Recommended, Applying, Verifying, Settled or RolledBack.")
+    message: str | None = Field(None, max_length=4096, description="What the tuner is waiting for or did last.")
+    last_change: TuningDecision | None = Field(None, description="The latest decision.")
+    last_restart_time: Timestamp | None = Field(None, description="When a restart-requiring change was last applied.")
+    history: list[TuningDecision] | None = Field(
+        None, max_length=TUNING_HISTORY_LIMIT, description=f"The last {TUNING_HISTORY_LIMIT} decisions, oldest first.")
+
+
+class InferenceDeploymentStatus(CRDModel):
+    """Observed state, written by the operator only."""
+
+    observed_generation: int | None = Field(None, ge=0, description="metadata.generation last reconciled.")
+    replicas: int | None = Field(None, ge=0, description="Engine pods that exist (the scale subresource's status).")
+    ready_replicas: int | None = Field(None, ge=0, description="Engine pods ready to serve.")
+    updated_replicas: int | None = Field(None, ge=0, description="Engine pods running the current pod template.")
+    replica_summary: str | None = Field(None, max_length=32, description="Ready pods / desired replicas, e.g. 1/2.")
+    selector: str | None = Field(None, max_length=1024, description="Label selector of the engine pods (for the scale subresource).")
+    engine: EngineKnobs | None = Field(  # type: ignore[valid-type]
+        None, description="Effective knobs the engine runs with: spec.engine merged with tuned values.")
+    baseline: EngineKnobs | None = Field(  # type: ignore[valid-type]
+        None, description="spec.engine as it was when status.engine was computed; a knob the user has since "
+                          "edited takes the user's new value instead of a tuned one.")
+    restart_hash: str | None = Field(None, max_length=64, description="Hash of the restart-only knobs on the pod template.")
+    image: str | None = Field(None, max_length=1024, description="Engine image in use.")
+    diagnosis: Diagnosis | None = Field(None, description="The current waiting cause, in words and figures.")
+    tuning: TuningStatus | None = Field(None, description="Tuner phase, last change and history.")
+    conditions: list[Condition] | None = Field(
+        None, max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+        description="Ready, Progressing, MetricsAvailable, Tuned and Degraded.")
+
+
+class ObjectMeta(CRDModel):
+    """The part of metadata the operator reads."""
+
+    name: str
+    namespace: str | None = None
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] | None = None
+    annotations: dict[str, str] | None = None
+
+
+def plain(obj: Any) -> Any:
+    """A deep copy made of plain dicts and lists (kopf's bodies are read-only mapping views)."""
+    if hasattr(obj, "keys"):
+        return {k: plain(obj[k]) for k in obj.keys()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
+class InferenceDeployment(CRDModel):
+    """An InferenceDeployment as read from the API (metadata, spec, status)."""
+
+    api_version: str = Field(API_VERSION, alias="apiVersion")
+    kind: str = KIND
+    metadata: ObjectMeta
+    spec: InferenceDeploymentSpec
+    status: InferenceDeploymentStatus = Field(default_factory=InferenceDeploymentStatus)
+
+    @classmethod
+    def from_body(cls, body: Any) -> "InferenceDeployment":
+        """Parse an API object (dict or kopf Body); a missing status reads as empty."""
+        data = plain(body)
+        if not data.get("status"):
+            data["status"] = {}
+        return cls.model_validate(data)

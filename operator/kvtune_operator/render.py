@@ -1,0 +1,205 @@
+"""Children of an InferenceDeployment, rendered from the Jinja2 templates in templates/.
+
+Pure: (resource, effective engine config, image, whether a PodMonitor is wanted) -> manifests.
+Values go into the templates through ``tojson`` (JSON is YAML), so no value can break the YAML.
+
+Contract with the engine container (kvtune serve):
+  kvtune serve --model <spec.model.path> --served-model-name <name> --host 0.0.0.0 --port 8000
+               --config-file /etc/kvtune/engine.yaml [spec.extraArgs...]
+One port, 8000 (``http``), serves the OpenAI API, /health, /metrics and /kvtune/v1/*.
+The ConfigMap key ``engine.yaml`` holds every knob in ``EngineConfig.model_dump()`` form; the engine
+watches it and applies the live knobs. The pod template carries ``kvtune.io/restart-hash``, a hash of
+only the restart knobs, so a restart knob rolls the pods and a live knob does not.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+
+from kvtune_engine.config import RESTART_KNOBS, EngineConfig
+from kvtune_operator.model import API_VERSION, KIND, InferenceDeployment
+
+TEMPLATES = Path(__file__).with_name("templates")
+
+PORT = 8000
+ENGINE_UID = 10001
+CONFIG_DIR = "/etc/kvtune"
+CONFIG_KEY = "engine.yaml"
+CONFIG_FILE = f"{CONFIG_DIR}/{CONFIG_KEY}"
+ENGINE_COMMAND = ["kvtune", "serve"]
+
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_INFD = "kvtune.io/inference-deployment"
+ENGINE_APP = "kvtune-engine"
+MANAGED_BY = "kvtune-operator"
+ANNOTATION_RESTART_HASH = "kvtune.io/restart-hash"
+
+#: Environment of every engine container (read-only root filesystem: caches go to /tmp).
+BASE_ENV = {
+    "HOME": "/tmp",
+    "XDG_CACHE_HOME": "/tmp/.cache",
+    "TRITON_CACHE_DIR": "/tmp/.triton",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Names:
+    deployment: str
+    service: str
+    configmap: str
+    podmonitor: str
+
+
+def child_names(name: str) -> Names:
+    return Names(deployment=name, service=name, configmap=f"{name}-engine", podmonitor=name)
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The Deployment's (immutable) pod selector, also the Service's and the PodMonitor's."""
+    return {LABEL_NAME: ENGINE_APP, LABEL_INSTANCE: name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def common_labels(name: str) -> dict[str, str]:
+    """Labels of every child and every engine pod; Prometheus reads inference_deployment from LABEL_INFD."""
+    return {
+        **selector_labels(name),
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/part-of": "kvtune",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        LABEL_INFD: name,
+    }
+
+
+def restart_hash(config: EngineConfig) -> str:
+    """Hash of the restart-only knobs: equal for configs that differ only in live knobs."""
+    values = config.model_dump()
+    canonical = json.dumps({k: values[k] for k in sorted(RESTART_KNOBS)}, sort_keys=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def engine_yaml(config: EngineConfig) -> str:
+    """The ConfigMap's engine.yaml: every knob, EngineConfig field names."""
+    return ("# Written by kvtune-operator from spec.engine (+ tuned values in status.engine); edits are "
+            "overwritten.\n" + yaml.safe_dump(config.model_dump(), sort_keys=True))
+
+
+def engine_args(infd: InferenceDeployment) -> list[str]:
+    spec = infd.spec
+    return [
+        "--model", spec.model.path,
+        "--served-model-name", spec.model.served_model_name or infd.metadata.name,
+        "--host", "0.0.0.0",
+        "--port", str(PORT),
+        "--config-file", CONFIG_FILE,
+        *(spec.extra_args or []),
+    ]
+
+
+def owner_references(infd: InferenceDeployment) -> list[dict[str, Any]]:
+    if not infd.metadata.uid:
+        raise ValueError(f"{infd.metadata.name}: metadata.uid is required to own children")
+    return [{
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": infd.metadata.name,
+        "uid": infd.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }]
+
+
+def _resources(infd: InferenceDeployment) -> dict[str, Any]:
+    r = infd.spec.resources
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if r.gpus:
+        limits[r.gpu_resource_name] = r.gpus
+    if r.memory:
+        requests["memory"] = limits["memory"] = r.memory
+    if r.cpu:
+        requests["cpu"] = r.cpu
+    out: dict[str, Any] = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _model_volume(infd: InferenceDeployment) -> dict[str, Any] | None:
+    vol = infd.spec.model.volume
+    if vol is None:
+        return None
+    if vol.persistent_volume_claim is not None:
+        pvc = vol.persistent_volume_claim
+        return {"name": "model",
+                "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": pvc.read_only}}
+    assert vol.host_path is not None
+    return {"name": "model", "hostPath": {"path": vol.host_path.path, "type": vol.host_path.type}}
+
+
+@functools.lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _render(template: str, context: dict[str, Any]) -> dict[str, Any]:
+    text = _env().get_template(template).render(**context)
+    return yaml.safe_load(text)
+
+
+def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: str,
+                    pod_monitor: bool) -> list[dict[str, Any]]:
+    """The ConfigMap, Deployment, Service (and PodMonitor) of one InferenceDeployment, in apply order."""
+    name = infd.metadata.name
+    vol = infd.spec.model.volume
+    context = {
+        "spec": infd.spec,
+        "namespace": infd.metadata.namespace,
+        "names": child_names(name),
+        "labels": common_labels(name),
+        "pod_labels": common_labels(name),
+        "selector": selector_labels(name),
+        "owner_references": owner_references(infd),
+        "restart_hash": restart_hash(config),
+        "config_key": CONFIG_KEY,
+        "config_dir": CONFIG_DIR,
+        "engine_yaml": engine_yaml(config),
+        "image": image,
+        "command": ENGINE_COMMAND,
+        "args": engine_args(infd),
+        "port": PORT,
+        "uid": ENGINE_UID,
+        "env": [{"name": k, "value": v}
+                for k, v in {**BASE_ENV, **{e.name: e.value for e in infd.spec.env or []}}.items()],
+        "resources": _resources(infd),
+        "tolerations": [t.dump() for t in infd.spec.tolerations or []],
+        "model_volume": _model_volume(infd),
+        "model_read_only": True if vol is None or vol.persistent_volume_claim is None
+                           else vol.persistent_volume_claim.read_only,
+        "scrape_interval": infd.spec.metrics.scrape_interval,
+    }
+    children = [_render("configmap.yaml.j2", context), _render("deployment.yaml.j2", context),
+                _render("service.yaml.j2", context)]
+    if pod_monitor:
+        children.append(_render("podmonitor.yaml.j2", context))
+    return children

@@ -1,0 +1,85 @@
+"""Operator settings: defaults < environment (KVTUNE_*) < command-line flags.
+
+The Helm chart sets the environment; `kvtune operator run --flag` overrides it for local runs.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kvtune_engine import __version__
+from kvtune_operator.model import DURATION_PATTERN, AutotuneMode, parse_duration
+
+ENV_PREFIX = "KVTUNE_"
+DEFAULT_ENGINE_IMAGE = f"kvtune/kvtune-engine:{__version__}"
+DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
+
+
+class Settings(BaseModel):
+    """Everything the operator reads at start-up."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=True)
+
+    namespaces: tuple[str, ...] = Field(
+        (), description="Namespaces to watch; empty watches all namespaces (cluster-wide).")
+    prometheus_url: str = Field(DEFAULT_PROMETHEUS_URL, pattern=r"^https?://",
+                                description="Prometheus the tuner reads when spec.metrics.prometheusUrl is unset.")
+    engine_image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1,
+                              description="Engine image when spec.image is unset.")
+    autotune_mode: AutotuneMode = Field(AutotuneMode.RECOMMEND, description="Mode when spec.autotune.mode is unset.")
+    autotune_interval: str = Field("60s", pattern=DURATION_PATTERN, description="Default spec.autotune.interval.")
+    autotune_window: str = Field("5m", pattern=DURATION_PATTERN, description="Default spec.autotune.window.")
+    autotune_cooldown: str = Field("15m", pattern=DURATION_PATTERN, description="Default spec.autotune.cooldown.")
+    status_interval: float = Field(15.0, gt=0, description="Seconds between status refreshes of each resource.")
+    retry_backoff: float = Field(5.0, gt=0, description="First retry delay (s) after a failed reconcile; doubles.")
+    retry_backoff_max: float = Field(300.0, gt=0, description="Longest retry delay (s).")
+    pod_monitor: Literal["auto", "never"] = Field(
+        "auto", description="auto: create a PodMonitor when the prometheus-operator CRD exists; never: do not.")
+    liveness: str | None = Field("http://0.0.0.0:8080/healthz",
+                                 description="Liveness endpoint URL the operator serves; empty disables it.")
+    field_manager: str = Field("kvtune-operator", min_length=1, max_length=128,
+                               description="Field manager of the operator's server-side applies.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+    @field_validator("namespaces", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.split(",")
+        return tuple(sorted({n.strip() for n in v if n and n.strip()}))
+
+    @field_validator("liveness", mode="before")
+    @classmethod
+    def _empty_is_none(cls, v: Any) -> Any:
+        return v or None
+
+    @property
+    def clusterwide(self) -> bool:
+        return not self.namespaces
+
+    @property
+    def autotune_interval_seconds(self) -> float:
+        return parse_duration(self.autotune_interval)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Defaults, then KVTUNE_<FIELD> variables, then the non-None overrides (flags)."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for name in cls.model_fields:
+            key = ENV_PREFIX + name.upper()
+            if key in environ:
+                values[name] = environ[key]
+        values.update({k: v for k, v in overrides.items() if v is not None and v != ()})
+        return cls(**values)
+
+    def env(self) -> dict[str, str]:
+        """These settings as KVTUNE_* variables (the chart renders the same)."""
+        out = {}
+        for name, value in self.model_dump().items():
+            if isinstance(value, (tuple, list)):
+                value = ",".join(value)
+            out[ENV_PREFIX + name.upper()] = "" if value is None else str(value)
+        return out
