@@ -1,0 +1,565 @@
+"""A node for our pods: runs engine pods' containers as local processes.
+
+THIS IS THE ONE SIMULATED PART OF THE TEST HARNESS. Everything else (apiserver, controllers,
+scheduler, Prometheus, kubectl, helm) is the real thing; kwok marks pods Running on fake GPU nodes
+but runs nothing. `PodNode` fills that gap, and only for kvtune engine pods, in a deliberately small
+way: it is not a kubelet.
+
+What it does, polling the apiserver every `poll_interval` seconds:
+
+* It looks at pods matching `selector` (default ``app.kubernetes.io/name=kvtune-engine``; engine
+  pods also carry ``kvtune.io/inference-deployment=<name>``) in all namespaces.
+* For each pod that is Running on a node, not being deleted, it starts the pod's FIRST container as
+  a local process: ``command + args`` (``$(VAR)`` references expanded like the kubelet does), with
+  the container's ``env``/``envFrom`` (literal values, ``fieldRef``, ``configMapKeyRef``,
+  ``secretKeyRef``) on top of this process' own environment (so the venv's Python is used):
+
+  - The port: a free loopback port is chosen; it is passed as ``KVTUNE_PORT`` and every
+    ``--port N`` / ``--port=N`` argument is rewritten to it (``--host`` becomes ``127.0.0.1``,
+    ``KVTUNE_HOST=127.0.0.1`` is set too).
+  - ConfigMap volumes mounted by the container are written to a local directory
+    (``items``/``subPath`` honoured) and KEPT IN SYNC when the ConfigMap changes (atomic
+    replace, like the kubelet's eventual update); ``emptyDir`` mounts get an empty local directory.
+    Any argument or env value naming a path under a ``mountPath`` is rewritten to the local copy.
+  - ``command[0]`` is translated by `command_map` (exact name -> replacement argv prefix, e.g.
+    ``{"kvtune-engine": [sys.executable, "-m", "kvtune_engine.server"]}``); ``python``/``python3``
+    become this interpreter; other names are looked up on PATH with this venv's ``bin`` first. For
+    anything else, set `translate` to a function ``(pod, container, argv) -> argv``.
+* It stops the process (SIGTERM to its process group, SIGKILL after the grace period, 10 s at most)
+  when the pod is deleted, stops Running, or is replaced (new uid). A process that exits by itself
+  is NOT restarted (see `LocalPod.returncode` and its log file).
+* It publishes every live process as a Prometheus file-SD target (``127.0.0.1:PORT``) with labels
+  ``namespace``, ``pod``, ``container``, ``node`` and ``inference_deployment`` (from the pod label),
+  which is what the kvtune PodMonitor gives; ``prometheus.io/path`` pod annotation sets the path.
+
+How tests reach the processes: `url_for` (pod), `urls_for_selector` / `urls_for_service` (what a
+Service would load-balance to), `rewrite_url` (turns ``http://<podIP>:<containerPort>/...``, as the
+operator would build it from the pod status, into the local URL), `wait_for_pod` /
+`wait_for_selector` (the process listens), `logs` (its output).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from .harness import ManagedProcess, free_port
+from .prometheus import write_sd_file
+
+ENGINE_SELECTOR = "app.kubernetes.io/name=kvtune-engine"
+DEPLOYMENT_LABEL = "kvtune.io/inference-deployment"
+
+_VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+@dataclass
+class LocalPod:
+    """One engine pod running locally."""
+
+    namespace: str
+    name: str
+    uid: str
+    labels: dict[str, str]
+    node: str
+    pod_ip: str
+    container: str
+    container_port: int | None
+    port: int
+    argv: list[str]
+    workdir: Path
+    proc: ManagedProcess
+    mounts: list[tuple[str, Path]] = field(default_factory=list)  # (mountPath, local path)
+    grace_seconds: float = 10.0
+    metrics_path: str = "/metrics"
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.proc.log_path
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.popen.poll()
+
+    def alive(self) -> bool:
+        return self.proc.alive()
+
+    def local_path(self, container_path: str) -> str:
+        """The local file behind a path inside the container (a mounted ConfigMap, emptyDir)."""
+        return _map_path(container_path, self.mounts)
+
+
+class PodNode:
+    """Runs engine pods locally. Start with `start()`, stop with `stop()` (stops all processes).
+
+    Args:
+      kubeconfig:    admin kubeconfig of the cluster.
+      run_dir:       where pod work dirs, mounted files and ``<ns>_<pod>.log`` go.
+      sd_file:       Prometheus file-SD file to keep up to date (``Prometheus.sd_file``), or None.
+      selector:      label selector of the pods to run.
+      command_map:   ``{command0: [replacement, argv, prefix]}``.
+      poll_interval: seconds between reconciles.
+    """
+
+    def __init__(self, kubeconfig: str | os.PathLike, run_dir: str | os.PathLike, *,
+                 sd_file: str | os.PathLike | None = None, selector: str = ENGINE_SELECTOR,
+                 command_map: dict[str, list[str]] | None = None, poll_interval: float = 0.25,
+                 extra_env: dict[str, str] | None = None):
+        self.kubeconfig = str(kubeconfig)
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.sd_file = Path(sd_file) if sd_file else None
+        self.selector = selector
+        self.command_map: dict[str, list[str]] = dict(command_map or {})
+        self.translate: Callable[[dict, dict, list[str]], list[str]] | None = None
+        self.extra_env = dict(extra_env or {})
+        self.poll_interval = poll_interval
+        self.pods: dict[tuple[str, str], LocalPod] = {}
+        self.errors: list[str] = []
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._api = None
+        self._log = open(self.run_dir / "pod-node.log", "a", buffering=1)
+        self._last_sd: str | None = None
+        self._synced = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "PodNode":
+        from kubernetes import client, config
+
+        self._api = client.CoreV1Api(config.new_client_from_config(config_file=self.kubeconfig))
+        if self.sd_file:
+            write_sd_file(self.sd_file, [])
+        # The thread that starts the processes must live as long as they do: their
+        # PR_SET_PDEATHSIG fires when it exits. It is this loop's thread.
+        self._thread = threading.Thread(target=self._loop, name="pod-node", daemon=True)
+        self._thread.start()
+        self._synced.wait(10)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        with self._lock:
+            for key in list(self.pods):
+                self._stop_pod(key, "pod node stopping")
+        if self.sd_file and self.sd_file.parent.is_dir():
+            write_sd_file(self.sd_file, [])
+        self._log.close()
+
+    def __enter__(self) -> "PodNode":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ lookups for tests
+    def get(self, namespace: str, pod: str) -> LocalPod | None:
+        with self._lock:
+            return self.pods.get((namespace, pod))
+
+    def url_for(self, namespace: str, pod: str) -> str:
+        """``http://127.0.0.1:PORT`` of the pod's local process (KeyError if not running)."""
+        lp = self.get(namespace, pod)
+        if lp is None:
+            raise KeyError(f"no local process for pod {namespace}/{pod}; running: {sorted(self.pods)}")
+        return lp.url
+
+    def pods_for_selector(self, namespace: str, labels: dict[str, str]) -> list[LocalPod]:
+        """Live local pods in `namespace` whose labels include all of `labels`, sorted by name."""
+        with self._lock:
+            found = [lp for (ns, _), lp in self.pods.items()
+                     if ns == namespace and lp.alive() and all(lp.labels.get(k) == v for k, v in labels.items())]
+        return sorted(found, key=lambda lp: lp.name)
+
+    def urls_for_selector(self, namespace: str, labels: dict[str, str]) -> list[str]:
+        """Local URLs of the live processes a Service with this selector would route to."""
+        return [lp.url for lp in self.pods_for_selector(namespace, labels)]
+
+    def urls_for_service(self, namespace: str, service: str) -> list[str]:
+        """Local URLs behind a Service (reads its ``spec.selector`` from the apiserver)."""
+        svc = self._call(self._api.read_namespaced_service, service, namespace)
+        return self.urls_for_selector(namespace, svc["spec"].get("selector") or {})
+
+    def rewrite_url(self, url: str) -> str:
+        """``http://<podIP>:<containerPort>/x`` -> ``http://127.0.0.1:<local port>/x`` (unchanged if
+        no local pod has that IP)."""
+        m = re.match(r"^(https?://)([^/:]+)(?::(\d+))?(.*)$", url)
+        if not m:
+            return url
+        with self._lock:
+            for lp in self.pods.values():
+                if lp.pod_ip and lp.pod_ip == m.group(2):
+                    return f"{m.group(1)}127.0.0.1:{lp.port}{m.group(4)}"
+        return url
+
+    def logs(self, namespace: str, pod: str) -> str:
+        lp = self.get(namespace, pod)
+        return lp.log_path.read_text(errors="replace") if lp else ""
+
+    def wait_for_pod(self, namespace: str, pod: str, timeout: float = 60) -> LocalPod:
+        """Wait until the pod's process runs and accepts TCP connections on its port."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lp = self.get(namespace, pod)
+            if lp is not None:
+                if not lp.alive():
+                    raise RuntimeError(f"process of {namespace}/{pod} exited with {lp.returncode}:\n"
+                                       f"{lp.proc.tail()}")
+                if _port_open(lp.port):
+                    return lp
+            time.sleep(0.1)
+        raise TimeoutError(f"pod {namespace}/{pod}: no listening local process after {timeout}s "
+                           f"(running: {sorted(self.pods)}; errors: {self.errors[-3:]})")
+
+    def wait_for_selector(self, namespace: str, labels: dict[str, str], count: int = 1,
+                          timeout: float = 60) -> list[LocalPod]:
+        """Wait until at least `count` matching processes listen; returns them."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready = [lp for lp in self.pods_for_selector(namespace, labels) if _port_open(lp.port)]
+            if len(ready) >= count:
+                return ready
+            time.sleep(0.1)
+        raise TimeoutError(f"{namespace} {labels}: fewer than {count} listening local processes after "
+                           f"{timeout}s (running: {sorted(self.pods)}; errors: {self.errors[-3:]})")
+
+    # ------------------------------------------------------------------ reconcile loop
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.reconcile()
+            except Exception:  # noqa: BLE001 - keep the node alive, record the error
+                err = traceback.format_exc()
+                self.errors.append(err)
+                self._log.write(err)
+            self._synced.set()
+            self._stop.wait(self.poll_interval)
+
+    def reconcile(self) -> None:
+        pods = self._call(self._api.list_pod_for_all_namespaces, label_selector=self.selector)["items"]
+        wanted: dict[tuple[str, str], dict] = {}
+        for pod in pods:
+            md, spec, st = pod["metadata"], pod.get("spec", {}), pod.get("status", {})
+            if md.get("deletionTimestamp") or st.get("phase") != "Running" or not spec.get("nodeName"):
+                continue
+            wanted[(md["namespace"], md["name"])] = pod
+        cm_cache: dict[tuple[str, str], dict | None] = {}
+        with self._lock:
+            for key, lp in list(self.pods.items()):
+                pod = wanted.get(key)
+                if pod is None:
+                    self._stop_pod(key, "pod gone, deleting or not Running")
+                elif pod["metadata"]["uid"] != lp.uid:
+                    self._stop_pod(key, "pod replaced")
+            for key, pod in wanted.items():
+                if key not in self.pods:
+                    try:
+                        self._start_pod(pod, cm_cache)
+                    except Exception as e:  # noqa: BLE001
+                        msg = f"cannot start {key[0]}/{key[1]}: {e!r}"
+                        if msg not in self.errors:
+                            self.errors.append(msg)
+                            self._log.write(msg + "\n")
+                else:
+                    self._sync_volumes(pod, self.pods[key], cm_cache)
+            self._publish_targets()
+
+    # ------------------------------------------------------------------ pods
+    def _start_pod(self, pod: dict, cm_cache: dict) -> None:
+        md, spec = pod["metadata"], pod["spec"]
+        ns, name = md["namespace"], md["name"]
+        container = spec["containers"][0]
+        workdir = self.run_dir / f"{ns}_{name}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        workdir.mkdir(parents=True)
+        mounts = self._materialize_volumes(pod, container, workdir, cm_cache)
+
+        port = free_port()
+        env_list = self._container_env(pod, container, cm_cache)
+        env_list.update({"KVTUNE_PORT": str(port), "KVTUNE_HOST": "127.0.0.1"})
+        env_list.update(self.extra_env)
+        env_list = {k: _map_in_value(v, mounts) for k, v in env_list.items()}
+
+        argv = [_expand(a, env_list) for a in (container.get("command") or []) + (container.get("args") or [])]
+        if not container.get("command"):
+            raise ValueError("the container has no `command`: the local node cannot know the image's entrypoint")
+        argv, container_port = _rewrite_port_args(argv, port)
+        if container_port is None:
+            ports = container.get("ports") or []
+            container_port = ports[0].get("containerPort") if ports else None
+        argv = [_map_in_value(a, mounts) for a in argv]
+        argv = self._translate(pod, container, argv)
+
+        env = {**os.environ, **env_list}
+        venv_bin = str(Path(sys.executable).parent)
+        env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"
+        proc = ManagedProcess(f"{ns}/{name}", argv, self.run_dir / f"{ns}_{name}.log", env=env, cwd=workdir,
+                              die_with_parent=True)
+        grace = spec.get("terminationGracePeriodSeconds")
+        lp = LocalPod(
+            namespace=ns, name=name, uid=md["uid"], labels=dict(md.get("labels") or {}),
+            node=spec.get("nodeName", ""), pod_ip=pod.get("status", {}).get("podIP", ""),
+            container=container["name"], container_port=container_port, port=port, argv=argv,
+            workdir=workdir, proc=proc, mounts=mounts,
+            grace_seconds=min(float(grace if grace is not None else 10), 10.0),
+            metrics_path=(md.get("annotations") or {}).get("prometheus.io/path", "/metrics"),
+        )
+        self.pods[(ns, name)] = lp
+        self._log.write(f"{time.strftime('%H:%M:%S')} started {ns}/{name} pid={proc.pid} port={port} argv={argv}\n")
+
+    def _stop_pod(self, key: tuple[str, str], why: str) -> None:
+        lp = self.pods.pop(key, None)
+        if lp is None:
+            return
+        lp.proc.stop(timeout=lp.grace_seconds)
+        self._log.write(f"{time.strftime('%H:%M:%S')} stopped {key[0]}/{key[1]} ({why}), rc={lp.returncode}\n")
+
+    def _translate(self, pod: dict, container: dict, argv: list[str]) -> list[str]:
+        if self.translate is not None:
+            return list(self.translate(pod, container, argv))
+        head, rest = argv[0], argv[1:]
+        if head in self.command_map:
+            return list(self.command_map[head]) + rest
+        if os.path.basename(head) in ("python", "python3") or re.fullmatch(r"python3\.\d+", os.path.basename(head)):
+            return [sys.executable] + rest
+        venv_bin = str(Path(sys.executable).parent)
+        found = shutil.which(os.path.basename(head), path=f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}")
+        if not os.path.isabs(head) and found:
+            return [found] + rest
+        if os.path.isabs(head) and not os.path.exists(head) and found:
+            return [found] + rest
+        return argv
+
+    # ------------------------------------------------------------------ env and volumes
+    def _container_env(self, pod: dict, container: dict, cm_cache: dict) -> dict[str, str]:
+        ns = pod["metadata"]["namespace"]
+        env: dict[str, str] = {}
+        for src in container.get("envFrom") or []:
+            prefix = src.get("prefix", "")
+            if "configMapRef" in src:
+                cm = self._configmap(ns, src["configMapRef"]["name"], cm_cache) or {}
+                env.update({prefix + k: v for k, v in (cm.get("data") or {}).items()})
+            elif "secretRef" in src:
+                sec = self._secret(ns, src["secretRef"]["name"]) or {}
+                env.update({prefix + k: v for k, v in _decode_secret(sec).items()})
+        for item in container.get("env") or []:
+            name = item["name"]
+            if "valueFrom" not in item:
+                env[name] = _expand(item.get("value", ""), env)
+                continue
+            vf = item["valueFrom"]
+            if "fieldRef" in vf:
+                env[name] = _field(pod, vf["fieldRef"]["fieldPath"])
+            elif "configMapKeyRef" in vf:
+                ref = vf["configMapKeyRef"]
+                cm = self._configmap(ns, ref["name"], cm_cache) or {}
+                env[name] = (cm.get("data") or {}).get(ref["key"], "")
+            elif "secretKeyRef" in vf:
+                ref = vf["secretKeyRef"]
+                env[name] = _decode_secret(self._secret(ns, ref["name"]) or {}).get(ref["key"], "")
+            else:  # resourceFieldRef: not simulated
+                env[name] = ""
+        return env
+
+    def _materialize_volumes(self, pod: dict, container: dict, workdir: Path, cm_cache: dict) -> list[tuple[str, Path]]:
+        volumes = {v["name"]: v for v in pod["spec"].get("volumes") or []}
+        mounts: list[tuple[str, Path]] = []
+        for vm in container.get("volumeMounts") or []:
+            vol = volumes.get(vm["name"])
+            if vol is None:
+                continue
+            if "configMap" in vol or "emptyDir" in vol:
+                local = workdir / "volumes" / vm["name"]
+                local.mkdir(parents=True, exist_ok=True)
+                if vm.get("subPath"):
+                    local = local / vm["subPath"]
+                mounts.append((vm["mountPath"].rstrip("/") or "/", local))
+        self._sync_volumes(pod, None, cm_cache, workdir=workdir)
+        # Longest mount path first, so nested mounts win.
+        return sorted(mounts, key=lambda m: len(m[0]), reverse=True)
+
+    def _sync_volumes(self, pod: dict, lp: LocalPod | None, cm_cache: dict, workdir: Path | None = None) -> None:
+        workdir = workdir or (lp.workdir if lp else None)
+        ns = pod["metadata"]["namespace"]
+        for vol in pod["spec"].get("volumes") or []:
+            if "configMap" not in vol:
+                continue
+            src = vol["configMap"]
+            cm = self._configmap(ns, src["name"], cm_cache)
+            local = workdir / "volumes" / vol["name"]
+            if not local.is_dir():
+                continue  # not mounted by our container
+            if cm is None:
+                continue  # optional or not yet there: leave the directory as it is
+            files: dict[str, bytes] = {k: v.encode() for k, v in (cm.get("data") or {}).items()}
+            import base64
+
+            files.update({k: base64.b64decode(v) for k, v in (cm.get("binaryData") or {}).items()})
+            if src.get("items"):
+                files = {it["path"]: files[it["key"]] for it in src["items"] if it["key"] in files}
+            for rel, content in files.items():
+                target = local / rel
+                if target.is_file() and target.read_bytes() == content:
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_name("." + target.name + ".tmp")
+                tmp.write_bytes(content)
+                os.replace(tmp, target)
+            for existing in local.rglob("*"):
+                if existing.is_file() and str(existing.relative_to(local)) not in files:
+                    existing.unlink()
+
+    def _configmap(self, ns: str, name: str, cache: dict) -> dict | None:
+        key = (ns, name)
+        if key not in cache:
+            try:
+                cache[key] = self._call(self._api.read_namespaced_config_map, name, ns)
+            except _NotFound:
+                cache[key] = None
+        return cache[key]
+
+    def _secret(self, ns: str, name: str) -> dict | None:
+        try:
+            return self._call(self._api.read_namespaced_secret, name, ns)
+        except _NotFound:
+            return None
+
+    def _call(self, fn, *args, **kwargs) -> dict:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            resp = fn(*args, _preload_content=False, _request_timeout=10, **kwargs)
+        except ApiException as e:
+            if e.status == 404:
+                raise _NotFound(str(e)) from None
+            raise
+        return json.loads(resp.data)
+
+    # ------------------------------------------------------------------ prometheus
+    def _publish_targets(self) -> None:
+        if not self.sd_file:
+            return
+        groups = []
+        for (ns, name), lp in sorted(self.pods.items()):
+            if not lp.alive():
+                continue
+            labels = {"namespace": ns, "pod": name, "container": lp.container, "node": lp.node,
+                      "inference_deployment": lp.labels.get(DEPLOYMENT_LABEL, "")}
+            if lp.metrics_path != "/metrics":
+                labels["__metrics_path__"] = lp.metrics_path
+            groups.append({"targets": [f"127.0.0.1:{lp.port}"], "labels": labels})
+        text = json.dumps(groups, sort_keys=True)
+        if text != self._last_sd:
+            write_sd_file(self.sd_file, groups)
+            self._last_sd = text
+
+
+class _NotFound(Exception):
+    pass
+
+
+def _decode_secret(sec: dict) -> dict[str, str]:
+    import base64
+
+    out = {k: base64.b64decode(v).decode(errors="replace") for k, v in (sec.get("data") or {}).items()}
+    out.update(sec.get("stringData") or {})
+    return out
+
+
+def _field(pod: dict, path: str) -> str:
+    md = pod["metadata"]
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", path)
+    if m:
+        return (md.get(m.group(1)) or {}).get(m.group(2), "")
+    simple = {
+        "metadata.name": md.get("name"), "metadata.namespace": md.get("namespace"), "metadata.uid": md.get("uid"),
+        "spec.nodeName": pod["spec"].get("nodeName"), "spec.serviceAccountName": pod["spec"].get("serviceAccountName"),
+        "status.podIP": "127.0.0.1", "status.hostIP": "127.0.0.1",
+    }
+    return str(simple.get(path) or "")
+
+
+def _expand(s: str, env: dict[str, str]) -> str:
+    """Kubernetes' ``$(VAR)`` expansion (``$$`` escapes are left as they are)."""
+    return _VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), s)
+
+
+def _rewrite_port_args(argv: list[str], port: int) -> tuple[list[str], int | None]:
+    out: list[str] = []
+    original: int | None = None
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--port" and i + 1 < len(argv):
+            original = _int(argv[i + 1])
+            out += ["--port", str(port)]
+            i += 2
+            continue
+        if a.startswith("--port="):
+            original = _int(a.split("=", 1)[1])
+            out.append(f"--port={port}")
+        elif a == "--host" and i + 1 < len(argv):
+            out += ["--host", "127.0.0.1"]
+            i += 2
+            continue
+        elif a.startswith("--host="):
+            out.append("--host=127.0.0.1")
+        else:
+            out.append(a)
+        i += 1
+    return out, original
+
+
+def _int(s: str) -> int | None:
+    try:
+        return int(s)
+    except ValueError:
+        return None
+
+
+def _map_path(path: str, mounts: list[tuple[str, Path]]) -> str:
+    for mount_path, local in mounts:
+        if path == mount_path:
+            return str(local)
+        if path.startswith(mount_path.rstrip("/") + "/"):
+            return str(local) + path[len(mount_path.rstrip("/")):]
+    return path
+
+
+def _map_in_value(value: str, mounts: list[tuple[str, Path]]) -> str:
+    """Rewrite a container path in an argument or env value: ``/cfg/x``, ``--config=/cfg/x``,
+    ``a=/cfg/x``."""
+    mapped = _map_path(value, mounts)
+    if mapped != value:
+        return mapped
+    if "=" in value:
+        k, v = value.split("=", 1)
+        mv = _map_path(v, mounts)
+        if mv != v:
+            return f"{k}={mv}"
+    return value
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
