@@ -1,0 +1,1 @@
+"""The engine's HTTP server: OpenAI-compatible API, /health, /metrics, admin API under /kvtune/v1/."""

@@ -1,0 +1,144 @@
+"""`kvtune serve --model DIR [engine flags with vLLM's names] --host H --port P`."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import click
+
+from ..config import ConfigError, EngineConfig
+
+DEFAULT_PORT = 8000
+
+
+def _engine_options(f):
+    opts = [
+        click.option("--block-size", type=int, default=None, help="Token slots per KV block (8..128)."),
+        click.option("--gpu-memory-utilization", type=float, default=None,
+                     help="Fraction of device memory the engine may use."),
+        click.option("--swap-space", type=float, default=None, help="CPU swap pool, GiB."),
+        click.option("--kv-cache-memory", type=float, default=None,
+                     help="KV cache size in GiB (bypasses memory profiling; the way to size it on CPU)."),
+        click.option("--max-num-seqs", type=int, default=None, help="Most sequences running in one step."),
+        click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget of one step."),
+        click.option("--max-model-len", type=int, default=None, help="Longest prompt + output, tokens."),
+        click.option("--watermark", type=float, default=None,
+                     help="Fraction of blocks kept free when admitting requests."),
+        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
+                     help="Reuse KV blocks of shared prompt prefixes."),
+        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
+                     help="Split long prompts across steps."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+ENGINE_FLAGS = ("block_size", "gpu_memory_utilization", "swap_space", "kv_cache_memory", "max_num_seqs",
+                "max_num_batched_tokens", "max_model_len", "watermark", "enable_prefix_caching",
+                "enable_chunked_prefill")
+
+
+def _port(port: int | None) -> int:
+    if port is not None:
+        return port
+    env = os.environ.get("KVTUNE_PORT")
+    if env:
+        try:
+            p = int(env)
+        except ValueError:
+            raise click.UsageError(f"KVTUNE_PORT={env!r} is not a port number") from None
+        if not 0 <= p <= 65535:
+            raise click.UsageError(f"KVTUNE_PORT={p} is outside 0..65535")
+        return p
+    return DEFAULT_PORT
+
+
+@click.command("serve")
+@click.option("--model", "model_dir", required=True, type=click.Path(), help="Local model directory.")
+@_engine_options
+@click.option("--served-model-name", default=None, help="Model name in the API (default: the directory name).")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda (cuda:N).")
+@click.option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16 or float16.")
+@click.option("--host", default="0.0.0.0", show_default=True)
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help=f"Port (default: $KVTUNE_PORT, else {DEFAULT_PORT}).")
+@click.option("--api-key", default=None,
+              help="Require this bearer key on /v1 (default: $KVTUNE_API_KEY or $VLLM_API_KEY).")
+@click.option("--config-file", type=click.Path(), default=None,
+              help="YAML of engine knobs, watched: live knobs apply on change (a mounted ConfigMap).")
+@click.option("--max-waiting", type=click.IntRange(min=1), default=None,
+              help="Bound of the waiting queue; beyond it requests get 503 with Retry-After.")
+@click.option("--log-level", default="info", show_default=True,
+              type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
+def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str, host: str, port: int | None,
+          api_key: str | None, config_file: str | None, max_waiting: int | None, log_level: str,
+          **flags: Any) -> None:
+    """Serve a model: OpenAI-compatible API, /metrics, and the admin API under /kvtune/v1/."""
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kvtune.serve")
+    port = _port(port)
+    values = {k: v for k, v in flags.items() if v is not None}
+    try:
+        EngineConfig.build(**values)  # flags alone must be valid
+    except ConfigError as e:
+        raise click.UsageError(f"invalid engine flags: {e}") from None
+
+    watcher = None
+    if config_file:
+        from .config_watch import ConfigFileError, ConfigFileWatcher, read_config_file, split_known
+        try:
+            file_values = read_config_file(config_file)
+        except ConfigFileError as e:
+            raise click.UsageError(str(e)) from None
+        known, unknown = split_known(file_values)
+        if unknown:
+            log.warning("config file %s: unknown keys %s ignored", config_file, unknown)
+        over = {k: (values[k], v) for k, v in known.items() if k in values and values[k] != v}
+        if over:
+            log.warning("config file %s overrides flags: %s", config_file,
+                        ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in over.items()))
+        values.update(known)
+        watcher = ConfigFileWatcher(config_file)
+        watcher.prime(ConfigFileWatcher.digest(config_file))
+    try:
+        cfg = EngineConfig.build(**values)
+    except ConfigError as e:
+        raise click.UsageError(f"invalid engine config (flags + {config_file}): {e}") from None
+
+    api_key = api_key or os.environ.get("KVTUNE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+    from ..engine import LLMEngine
+    try:
+        engine = LLMEngine.from_model_dir(model_dir, cfg, device=device, dtype=dtype,
+                                          served_model_name=served_model_name)
+    except (ConfigError, ValueError, FileNotFoundError, OSError) as e:
+        raise click.ClickException(f"cannot start the engine: {e}") from None
+    except RuntimeError as e:  # torch: no CUDA, out of memory, ...
+        raise click.ClickException(f"cannot start the engine on {device}: {e}") from None
+
+    import uvicorn
+
+    from .app import ServerSettings, create_app
+    app = create_app(engine, ServerSettings(served_model_names=[engine.model_name], api_key=api_key,
+                                            max_waiting=max_waiting, model_dir=model_dir),
+                     config_watcher=watcher)
+    snap = engine.snapshot()
+    log.info("serving %s on http://%s:%d (device %s, %d KV blocks of %d tokens, %d swap blocks)",
+             engine.model_name, host, port, device, snap["blocks"]["total"], cfg.block_size,
+             snap["swap"]["total"])
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                    timeout_graceful_shutdown=5)
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
+
+
+def main() -> None:  # python -m kvtune_engine.server.cli
+    serve(standalone_mode=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
