@@ -7,6 +7,8 @@ import click
 
 # name -> "module:attribute" of a click command; each module owns its own options.
 COMMANDS = {
+    "crd": ("kvtune_operator.commands:crd", "Print the InferenceDeployment CRD generated from the model."),
+    "operator": ("kvtune_operator.commands:operator", "Run the Kubernetes operator (kvtune operator run)."),
     "sim": ("kvtune_engine.sim.cli:sim", "Replay a request trace through the scheduler in virtual time."),
     "trace": ("kvtune_engine.sim.cli:trace", "Generate request traces (scenarios, synthetic mixes)."),
     "serve": ("kvtune_engine.server.cli:serve", "Serve a model: OpenAI API, /metrics, admin API /kvtune/v1/."),

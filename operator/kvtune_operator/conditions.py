@@ -1,0 +1,194 @@
+"""Status conditions and the observed replica state, as pure functions of what the operator saw.
+
+Ownership: the reconciler owns Ready, Progressing and Degraded. The tuner (a later issue) owns
+MetricsAvailable and Tuned; the reconciler only initialises them (Unknown) and sets Tuned=False
+when autotune is Off. `set_condition` keeps lastTransitionTime while the status does not change.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+from kvtune_operator.model import AutotuneMode, ConditionType
+
+ORDER = [t.value for t in ConditionType]
+
+READY = ConditionType.READY.value
+PROGRESSING = ConditionType.PROGRESSING.value
+METRICS_AVAILABLE = ConditionType.METRICS_AVAILABLE.value
+TUNED = ConditionType.TUNED.value
+DEGRADED = ConditionType.DEGRADED.value
+
+#: Container waiting reasons that mean the engine cannot start (not merely "starting").
+FAILING_WAITING_REASONS = {
+    "CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "InvalidImageName", "CreateContainerConfigError",
+    "CreateContainerError", "RunContainerError", "ErrImageNeverPull",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cond:
+    """A condition's content (without the bookkeeping fields)."""
+
+    type: str
+    status: str
+    reason: str
+    message: str = ""
+
+
+def set_condition(conditions: Iterable[dict[str, Any]], cond: Cond, *, generation: int | None,
+                  now: str) -> list[dict[str, Any]]:
+    """A new conditions list with `cond` set; lastTransitionTime changes only when the status does."""
+    out = {c["type"]: dict(c) for c in conditions}
+    old = out.get(cond.type)
+    entry = {"type": cond.type, "status": cond.status, "reason": cond.reason, "message": cond.message,
+             "lastTransitionTime": old["lastTransitionTime"] if old and old.get("status") == cond.status
+             and old.get("lastTransitionTime") else now}
+    if generation is not None:
+        entry["observedGeneration"] = generation
+    out[cond.type] = entry
+    return sorted(out.values(), key=lambda c: ORDER.index(c["type"]) if c["type"] in ORDER else len(ORDER))
+
+
+def get_condition(conditions: Iterable[dict[str, Any]] | None, type_: str) -> dict[str, Any] | None:
+    return next((c for c in conditions or () if c.get("type") == type_), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicas:
+    desired: int
+    current: int
+    ready: int
+    updated: int
+    available: int
+
+    @property
+    def summary(self) -> str:
+        return f"{self.ready}/{self.desired}"
+
+
+def replicas_of(desired: int, deployment: dict[str, Any] | None) -> Replicas:
+    st = (deployment or {}).get("status") or {}
+    return Replicas(desired=desired, current=int(st.get("replicas") or 0), ready=int(st.get("readyReplicas") or 0),
+                    updated=int(st.get("updatedReplicas") or 0), available=int(st.get("availableReplicas") or 0))
+
+
+def _deployment_condition(deployment: dict[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    return get_condition(((deployment or {}).get("status") or {}).get("conditions"), type_)
+
+
+def ready_condition(desired: int, deployment: dict[str, Any] | None) -> Cond:
+    r = replicas_of(desired, deployment)
+    if deployment is None:
+        return Cond(READY, "False", "DeploymentMissing", "the engine Deployment does not exist yet")
+    if desired == 0:
+        return Cond(READY, "False", "ScaledToZero", "spec.replicas is 0: no engine pod serves")
+    if r.ready >= desired:
+        return Cond(READY, "True", "AllReplicasReady", f"{r.ready}/{desired} engine pods ready")
+    return Cond(READY, "False", "ReplicasNotReady", f"{r.ready}/{desired} engine pods ready")
+
+
+def progressing_condition(desired: int, deployment: dict[str, Any] | None, restart_knobs: list[str]) -> Cond:
+    if deployment is None:
+        return Cond(PROGRESSING, "True", "Creating", "creating the engine Deployment")
+    r = replicas_of(desired, deployment)
+    dep_progress = _deployment_condition(deployment, "Progressing")
+    if dep_progress and dep_progress.get("reason") == "ProgressDeadlineExceeded":
+        return Cond(PROGRESSING, "False", "ProgressDeadlineExceeded",
+                    dep_progress.get("message") or "the rollout made no progress")
+    meta, st = deployment.get("metadata") or {}, deployment.get("status") or {}
+    why = f" ({', '.join(restart_knobs)} changed)" if restart_knobs else ""
+    if int(st.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
+        return Cond(PROGRESSING, "True", "RolloutPending", f"the Deployment controller has not seen the new pod template yet{why}")
+    if r.updated < desired or r.current > r.updated or r.available < desired:
+        return Cond(PROGRESSING, "True", "RollingOut",
+                    f"{r.updated} of {desired} engine pods updated, {r.available} available{why}")
+    return Cond(PROGRESSING, "False", "RolloutComplete", f"all {desired} engine pods run the current pod template")
+
+
+def pod_problem(pods: Iterable[dict[str, Any]]) -> Cond | None:
+    """The first reason an engine pod cannot serve: a failing container or an unschedulable pod."""
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        name = (pod.get("metadata") or {}).get("name", "?")
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        status = pod.get("status") or {}
+        for cs in status.get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            last = ((cs.get("lastState") or {}).get("terminated")) or {}
+            detail = (last.get("message") or "").strip()
+            if waiting.get("reason") in FAILING_WAITING_REASONS:
+                msg = f"pod {name}: {waiting['reason']}"
+                if waiting.get("message"):
+                    msg += f": {waiting['message']}"
+                if detail:
+                    msg += f"; last exit {last.get('exitCode')}: {detail[-600:]}"
+                reason = "ImagePullFailed" if "Image" in waiting["reason"] else "EngineFailing"
+                return Cond(DEGRADED, "True", reason, msg)
+            term = (cs.get("state") or {}).get("terminated") or {}
+            if term and term.get("exitCode", 0) != 0:
+                msg = f"pod {name}: engine exited with code {term.get('exitCode')}"
+                if term.get("message"):
+                    msg += f": {term['message'].strip()[-600:]}"
+                return Cond(DEGRADED, "True", "EngineFailing", msg)
+        sched = get_condition(status.get("conditions"), "PodScheduled")
+        if sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable":
+            return Cond(DEGRADED, "True", "Unschedulable", f"pod {name}: {sched.get('message') or 'unschedulable'}")
+    return None
+
+
+def degraded_condition(*, config_error: str | None, apply_error: str | None, missing_pvc: str | None,
+                       deployment: dict[str, Any] | None, pods: Iterable[dict[str, Any]]) -> Cond:
+    """Degraded=True with the most basic problem first; False (AsExpected) when none."""
+    if config_error:
+        return Cond(DEGRADED, "True", "InvalidSpec", config_error)
+    if apply_error:
+        return Cond(DEGRADED, "True", "ApplyFailed", apply_error)
+    if missing_pvc:
+        return Cond(DEGRADED, "True", "ModelVolumeMissing",
+                    f"PersistentVolumeClaim {missing_pvc} (spec.model.volume) does not exist; the engine pods "
+                    "cannot start until it does")
+    problem = pod_problem(pods)
+    if problem:
+        return problem
+    dep_progress = _deployment_condition(deployment, "Progressing")
+    if dep_progress and dep_progress.get("reason") == "ProgressDeadlineExceeded":
+        return Cond(DEGRADED, "True", "RolloutStuck", dep_progress.get("message") or "the rollout made no progress")
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    if failure and failure.get("status") == "True":
+        return Cond(DEGRADED, "True", "ReplicaFailure", failure.get("message") or "pods could not be created")
+    return Cond(DEGRADED, "False", "AsExpected", "no problem seen")
+
+
+def tuner_conditions(existing: Iterable[dict[str, Any]] | None, mode: AutotuneMode | str) -> list[Cond]:
+    """Initial MetricsAvailable/Tuned (the tuner owns them once it has written them)."""
+    out = []
+    if get_condition(existing, METRICS_AVAILABLE) is None:
+        out.append(Cond(METRICS_AVAILABLE, "Unknown", "NotChecked", "the tuner has not read the engine's metrics yet"))
+    tuned = get_condition(existing, TUNED)
+    if AutotuneMode(mode) == AutotuneMode.OFF:
+        out.append(Cond(TUNED, "False", "AutotuneOff", "autotune mode is Off: the engine runs spec.engine as written"))
+    elif tuned is None or tuned.get("reason") == "AutotuneOff":
+        out.append(Cond(TUNED, "Unknown", "Pending", f"autotune mode is {AutotuneMode(mode).value}; no decision yet"))
+    return out
+
+
+def transition_event(old: dict[str, Any] | None, new: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(type, reason, message) of the Event for a condition change worth telling, else None."""
+    if old is not None and old.get("status") == new["status"] and old.get("reason") == new["reason"]:
+        return None
+    t, s = new["type"], new["status"]
+    if t == DEGRADED:
+        if s == "True":
+            return "Warning", new["reason"], new["message"]
+        if old is not None and old.get("status") == "True":
+            return "Normal", "Recovered", f"no longer degraded (was {old.get('reason')})"
+    if t == READY and (old is None or old.get("status") != s):
+        if s == "True":
+            return "Normal", "Ready", new["message"]
+        if old is not None and old.get("status") == "True":
+            return "Warning", "NotReady", new["message"]
+    if t == PROGRESSING and new["reason"] in ("RolloutComplete", "ProgressDeadlineExceeded") \
+            and old is not None and old.get("status") == "True":
+        return ("Normal" if new["reason"] == "RolloutComplete" else "Warning"), new["reason"], new["message"]
+    return None

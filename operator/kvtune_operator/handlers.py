@@ -1,0 +1,105 @@
+"""The kopf handlers: the only module of kvtune that imports kopf. Thin by design.
+
+`build_registry(settings, reconciler)` returns a kopf registry with:
+
+* ``login``            credentials from the kubernetes client (in-cluster or kubeconfig)
+* ``startup``          kopf's own settings (annotation storage under kvtune.io, no CRD/namespace scanning)
+* ``reconcile``        on create / update / resume: `Reconciler.reconcile` (render + apply + status);
+                       a failed apply raises kopf.TemporaryError with exponential backoff
+* ``refresh``          a timer per InferenceDeployment every ``settings.status_interval``: the same
+                       reconcile (idempotent: it re-observes pods and repairs drifted children)
+* ``deleted``          on delete (optional: no finalizer; children go by garbage collection)
+* ``health``           a liveness probe (kopf serves it at ``settings.liveness``)
+
+The tuner (a later issue) adds its own ``@kopf.timer(..., registry=registry)`` in `build_registry`
+that calls ``reconciler.reconcile(namespace, name, status_update=..., conditions=...)``.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any
+
+import kopf
+
+from kvtune_operator.model import GROUP, PLURAL, VERSION
+from kvtune_operator.reconcile import Reconciler
+from kvtune_operator.settings import Settings
+
+ANNOTATION_PREFIX = "kvtune.io"
+
+
+def retry_delay(settings: Settings, retry: int) -> float:
+    """Exponential backoff: backoff, 2x, 4x, ... capped at backoff_max."""
+    return min(settings.retry_backoff * (2 ** max(retry, 0)), settings.retry_backoff_max)
+
+
+def build_registry(settings: Settings, reconciler: Reconciler) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    resource = dict(group=GROUP, version=VERSION, plural=PLURAL)
+    started = dt.datetime.now(dt.timezone.utc)
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> Any:
+        return kopf.login_via_client(**kwargs)
+
+    @kopf.on.startup(registry=registry)
+    def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+            prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+        settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
+        # The CRD is installed before the operator (chart, crds/): no need to watch CRDs/namespaces.
+        settings.scanning.disabled = True
+        settings.peering.standalone = True
+        # Our own Events tell the story; kopf adds only its warnings and errors.
+        settings.posting.level = logging.WARNING
+        settings.networking.request_timeout = 60
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+
+    @kopf.on.create(**resource, registry=registry)
+    @kopf.on.update(**resource, registry=registry)
+    @kopf.on.resume(**resource, registry=registry)
+    def reconcile(namespace: str, name: str, retry: int, logger: logging.Logger, **_: Any) -> None:
+        outcome = reconciler.reconcile(namespace, name)
+        for ev in outcome.events:
+            logger.info("%s: %s", ev.reason, ev.message)
+        if outcome.retry:
+            raise kopf.TemporaryError(outcome.retry, delay=retry_delay(settings, retry))
+
+    @kopf.timer(**resource, registry=registry, interval=settings.status_interval,
+                initial_delay=settings.status_interval, idle=None)
+    def refresh(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+        outcome = reconciler.reconcile(namespace, name)
+        for ev in outcome.events:
+            logger.info("%s: %s", ev.reason, ev.message)
+        if outcome.retry:
+            logger.warning("will retry at the next refresh: %s", outcome.retry)
+
+    @kopf.on.delete(**resource, registry=registry, optional=True)
+    def deleted(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+        reconciler.forget(namespace, name)
+        logger.info("deleted; its ConfigMap, Deployment, Service and PodMonitor go by garbage collection")
+
+    @kopf.on.probe(id="uptime_seconds", registry=registry)
+    def health(**_: Any) -> float:
+        return (dt.datetime.now(dt.timezone.utc) - started).total_seconds()
+
+    return registry
+
+
+def run(settings: Settings, *, kubeconfig: str | None = None) -> None:
+    """Run the operator until interrupted (blocking)."""
+    from kvtune_operator.kube import Kube
+
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kube = Kube.from_environment(kubeconfig, field_manager=settings.field_manager)
+    registry = build_registry(settings, Reconciler(kube, settings))
+    kopf.run(
+        registry=registry,
+        standalone=True,
+        clusterwide=settings.clusterwide,
+        namespaces=list(settings.namespaces),
+        liveness_endpoint=settings.liveness,
+    )

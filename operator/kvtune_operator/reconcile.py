@@ -1,0 +1,266 @@
+"""One reconcile of one InferenceDeployment: read it fresh, merge, render, apply, observe, write status.
+
+Called by the kopf handlers (create/update/resume and the status timer) and, later, by the tuner.
+It is idempotent: children are server-side applied by name, so running it twice, or after an
+operator restart, changes nothing and duplicates nothing.
+
+Concurrency: kopf runs handlers and timers of one object concurrently, each in a worker thread.
+All writes of one object (children and status) happen under one per-object lock, from a fresh
+read of the object, and the status is patched synchronously (not through kopf's deferred patch):
+a stale body can never roll back a newer spec or a tuned value.
+
+The tuner's entry point is `Reconciler.reconcile(ns, name, status_update=..., conditions=...)`:
+`status_update` is merged into the fresh status *before* the merge and rendering (so a new
+``status.engine`` is applied to the children at once) and written with the rest.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Iterable
+
+from pydantic import ValidationError
+
+from kvtune_engine.config import LIVE_KNOBS, RESTART_KNOBS, ConfigError
+from kvtune_operator import conditions as c
+from kvtune_operator.effective import Effective, autotune_mode, effective_engine
+from kvtune_operator.kube import KubeError, now_rfc3339
+from kvtune_operator.model import KNOBS, KNOBS_BY_CAMEL, AutotuneMode, InferenceDeployment
+from kvtune_operator.render import ANNOTATION_RESTART_HASH, render_children, restart_hash, selector_string
+from kvtune_operator.settings import Settings
+
+log = logging.getLogger(__name__)
+
+PODMONITOR = ("monitoring.coreos.com", "v1", "podmonitors")
+
+
+@dataclasses.dataclass(frozen=True)
+class EventSpec:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one reconcile did: the status it wrote, the events it posted, and an error worth a retry."""
+
+    status: dict[str, Any] | None = None
+    events: list[EventSpec] = dataclasses.field(default_factory=list)
+    retry: str | None = None
+    gone: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Applied:
+    """One child before and after its server-side apply."""
+
+    obj: dict[str, Any]
+    before: dict[str, Any] | None
+    after: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return f"{self.obj['kind']} {self.obj['metadata']['name']}"
+
+    @property
+    def created(self) -> bool:
+        return self.before is None
+
+    @property
+    def changed(self) -> bool:
+        rv = lambda o: (o or {}).get("metadata", {}).get("resourceVersion")  # noqa: E731
+        return self.before is not None and rv(self.before) != rv(self.after)
+
+
+def _fmt(v: Any) -> str:
+    return "unset" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def knob_change_events(previous: dict[str, Any] | None, effective: Effective, configmap: str,
+                       deployment: str) -> list[EventSpec]:
+    """Events for knobs whose effective value changed since status.engine (camelCase) was written."""
+    if not previous:
+        return []
+    new = effective.config.model_dump()
+    old = {KNOBS_BY_CAMEL[k]: v for k, v in previous.items() if k in KNOBS_BY_CAMEL}
+    changed = [k for k in KNOBS if k in old and old.get(k) != new.get(k) or k not in old and new.get(k) is not None]
+
+    def line(k: str) -> str:
+        why = " (tuned)" if k in effective.tuned else f" ({effective.dropped[k]})" if k in effective.dropped else ""
+        return f"{KNOBS[k]} {_fmt(old.get(k))} -> {_fmt(new.get(k))}{why}"
+
+    events = []
+    live = [k for k in changed if k in LIVE_KNOBS]
+    restart = [k for k in changed if k in RESTART_KNOBS]
+    if live:
+        events.append(EventSpec("Normal", "EngineConfigChanged",
+                                f"{'; '.join(map(line, live))}: live, ConfigMap {configmap} updated, no restart"))
+    if restart:
+        events.append(EventSpec("Normal", "RollingRestart",
+                                f"{'; '.join(map(line, restart))}: needs a restart, rolling Deployment {deployment}"))
+    return events
+
+
+def child_events(applied: Iterable[Applied], *, knob_events: bool) -> list[EventSpec]:
+    """Created/Updated/Scaled events for children that the apply created or changed."""
+    events = []
+    for a in applied:
+        if a.created:
+            events.append(EventSpec("Normal", "Created", f"Created {a.label}"))
+            continue
+        if not a.changed:
+            continue
+        kind = a.obj["kind"]
+        if kind == "Deployment":
+            old, new = a.before.get("spec", {}), a.after.get("spec", {})  # type: ignore[union-attr]
+            if old.get("replicas") != new.get("replicas"):
+                events.append(EventSpec("Normal", "Scaled",
+                                        f"{a.label}: replicas {old.get('replicas')} -> {new.get('replicas')}"))
+            tmpl_old, tmpl_new = old.get("template", {}), new.get("template", {})
+            if tmpl_old != tmpl_new:
+                ann = lambda t: (t.get("metadata") or {}).get("annotations", {}).get(ANNOTATION_RESTART_HASH)  # noqa: E731
+                only_hash = ann(tmpl_old) != ann(tmpl_new) and {**tmpl_old, "metadata": None} == {**tmpl_new, "metadata": None}
+                if not (only_hash and knob_events):
+                    events.append(EventSpec("Normal", "Updated", f"{a.label}: pod template changed, rolling the engine pods"))
+        elif kind == "ConfigMap":
+            if not knob_events:
+                events.append(EventSpec("Normal", "Updated", f"Updated {a.label}"))
+        else:
+            events.append(EventSpec("Normal", "Updated", f"Updated {a.label}"))
+    return events
+
+
+class Reconciler:
+    """Reconciles InferenceDeployments through a `Kube` (or a fake with the same methods)."""
+
+    def __init__(self, kube: Any, settings: Settings):
+        self.kube = kube
+        self.settings = settings
+        self._locks: dict[tuple[str, str], threading.Lock] = {}
+        self._locks_guard = threading.Lock()
+
+    def lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault((namespace, name), threading.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        with self._locks_guard:
+            self._locks.pop((namespace, name), None)
+
+    def reconcile(self, namespace: str, name: str, *, status_update: dict[str, Any] | None = None,
+                  conditions: Iterable[c.Cond] = ()) -> Outcome:
+        with self.lock(namespace, name):
+            raw = self.kube.get_infd(namespace, name)
+            if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
+                return Outcome(gone=True)
+            return self._reconcile(raw, status_update or {}, list(conditions))
+
+    # -- the steps ------------------------------------------------------------------------------
+
+    def _reconcile(self, raw: dict[str, Any], status_update: dict[str, Any], extra: list[c.Cond]) -> Outcome:
+        meta = raw["metadata"]
+        namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation")
+        old_status = dict(raw.get("status") or {})
+        raw = {**raw, "status": {**old_status, **status_update}}
+        now = now_rfc3339()
+        outcome = Outcome()
+        config_error = apply_error = None
+        effective: Effective | None = None
+        deployment: dict[str, Any] | None = None
+        applied: list[Applied] = []
+        status: dict[str, Any] = dict(status_update)
+        try:
+            infd = InferenceDeployment.from_body(raw)
+        except ValidationError as e:
+            infd = None
+            config_error = f"the resource does not match the operator's model: {e.errors()[0]['msg']}"
+        mode = autotune_mode(infd.spec, self.settings.autotune_mode) if infd else AutotuneMode(self.settings.autotune_mode)
+        if infd is not None:
+            try:
+                effective = effective_engine(infd.spec, infd.status, mode)
+            except ConfigError as e:
+                config_error = f"the engine refuses spec.engine: {e}"
+        if infd is not None and effective is not None:
+            image = infd.spec.image or self.settings.engine_image
+            pod_monitor = self.settings.pod_monitor == "auto" and self.kube.served(*PODMONITOR)
+            children = render_children(infd, effective.config, image=image, pod_monitor=pod_monitor)
+            for obj in children:
+                md = obj["metadata"]
+                try:
+                    before = self.kube.get(obj["apiVersion"], obj["kind"], md["namespace"], md["name"])
+                    after = self.kube.apply(obj)
+                except KubeError as e:
+                    apply_error = f"applying {obj['kind']} {md['name']} failed: {e}"
+                    log.warning("%s/%s: %s", namespace, name, apply_error)
+                    break
+                applied.append(Applied(obj, before, after))
+                if obj["kind"] == "Deployment":
+                    deployment = after
+            knob_events = knob_change_events(old_status.get("engine"), effective,
+                                             children[0]["metadata"]["name"], children[1]["metadata"]["name"])
+            outcome.events += child_events(applied, knob_events=bool(knob_events)) + knob_events
+            status.update({
+                "engine": effective.status_engine(),
+                "baseline": effective.status_baseline(),
+                "restartHash": restart_hash(effective.config),
+                "image": image,
+            })
+        if deployment is None:  # not applied (invalid spec, failed apply): observe what is there
+            deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
+
+        # -- observe ------------------------------------------------------------------------------
+        desired = infd.spec.replicas if infd else 0
+        missing_pvc = None
+        if infd and infd.spec.model.volume and infd.spec.model.volume.persistent_volume_claim:
+            claim = infd.spec.model.volume.persistent_volume_claim.claim_name
+            if self.kube.get_pvc(namespace, claim) is None:
+                missing_pvc = claim
+        pods = self.kube.list_pods(namespace, selector_string(name))
+        replicas = c.replicas_of(desired, deployment)
+        old_engine, new_engine = old_status.get("engine") or {}, status.get("engine") or {}
+        restart_changed = sorted(KNOBS[k] for k in RESTART_KNOBS
+                                 if old_engine and new_engine and old_engine.get(KNOBS[k]) != new_engine.get(KNOBS[k]))
+        conds = list(old_status.get("conditions") or [])
+        new_conds = [
+            c.ready_condition(desired, deployment),
+            c.progressing_condition(desired, deployment, restart_changed),
+            c.degraded_condition(config_error=config_error, apply_error=apply_error, missing_pvc=missing_pvc,
+                                 deployment=deployment, pods=pods),
+            *c.tuner_conditions(conds, mode),
+            *extra,
+        ]
+        for cond in new_conds:
+            before_cond = c.get_condition(conds, cond.type)
+            conds = c.set_condition(conds, cond, generation=generation, now=now)
+            ev = c.transition_event(before_cond, c.get_condition(conds, cond.type))  # type: ignore[arg-type]
+            if ev:
+                outcome.events.append(EventSpec(*ev))
+        tuning = dict(status.get("tuning") or {})
+        old_phase = (old_status.get("tuning") or {}).get("phase")
+        tuning["mode"] = mode.value
+        if mode == AutotuneMode.OFF:
+            tuning["phase"] = "Off"
+        elif "phase" not in tuning and (old_phase is None or old_phase == "Off"):
+            tuning["phase"] = "Pending"
+        status.update({
+            "replicas": replicas.current,
+            "readyReplicas": replicas.ready,
+            "updatedReplicas": replicas.updated,
+            "replicaSummary": replicas.summary,
+            "selector": selector_string(name),
+            "tuning": tuning,
+            "conditions": conds,
+        })
+        if not (config_error or apply_error):
+            status["observedGeneration"] = generation
+        outcome.status = status
+        outcome.retry = apply_error
+        try:
+            self.kube.patch_infd_status(namespace, name, status)
+        except KubeError as e:
+            outcome.retry = outcome.retry or f"status update failed: {e}"
+        for ev in outcome.events:
+            self.kube.event(raw, ev.type, ev.reason, ev.message)
+        return outcome
