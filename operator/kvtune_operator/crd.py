@@ -57,7 +57,7 @@ ROOT_RULES = [
     {"rule": "self.metadata.name.size() <= 63 && self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
      "message": "metadata.name must be a DNS-1035 label (lowercase letters, digits and '-', starting with a "
                 "letter, at most 63 characters): it names the engine Service",
-     "fieldPath": ".metadata.name", "reason": "FieldValueInvalid"},
+     "reason": "FieldValueInvalid"},
 ]
 
 

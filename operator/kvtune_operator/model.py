@@ -131,8 +131,10 @@ def parse_duration(text: str) -> float:
     return sum(float(n) * _DURATION_UNITS[u] for n, u in re.findall(r"([0-9]+(?:\.[0-9]+)?)(ms|s|m|h)", text))
 
 
-#: Schema default of an object whose fields all have defaults: the apiserver then fills them in.
-_OBJECT_DEFAULT: dict[str, Any] = {"default": {}}
+def _object_default(model: type["CRDModel"]) -> dict[str, Any]:
+    """Schema default of an object whose fields all have defaults: all of them, spelled out (the
+    apiserver checks an object default against the object's CEL rules as it is written)."""
+    return {"default": model().dump()}
 
 
 def _rules(*rules: dict[str, str]) -> dict[str, Any]:
@@ -390,14 +392,14 @@ class InferenceDeploymentSpec(CRDModel):
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         None, description="Image pull policy of the engine container (Kubernetes default when omitted).")
     replicas: int = Field(1, ge=0, le=1024, description="Number of engine pods (the scale subresource).")
-    resources: Resources = Field(default_factory=Resources, json_schema_extra=_OBJECT_DEFAULT,
+    resources: Resources = Field(default_factory=Resources, json_schema_extra=_object_default(Resources),
                                  description="Compute resources of each engine pod.")
     node_selector: dict[str, str] | None = Field(None, description="Node labels the engine pods must match.")
     tolerations: list[Toleration] | None = Field(None, max_length=32, description="Tolerations of the engine pods.")
-    engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra=_OBJECT_DEFAULT,  # type: ignore[valid-type]
+    engine: EngineSpec = Field(default_factory=EngineSpec, json_schema_extra=_object_default(EngineSpec),  # type: ignore[valid-type]
                                description=EngineSpec.__doc__)
     autotune: AutotuneSpec | None = Field(None, description="Closed-loop tuning of the engine knobs.")
-    metrics: MetricsSpec = Field(default_factory=MetricsSpec, json_schema_extra=_OBJECT_DEFAULT,
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec, json_schema_extra=_object_default(MetricsSpec),
                                  description="Metrics collection for the tuner.")
     extra_args: list[Annotated[str, Field(max_length=4096)]] | None = Field(
         None, max_length=64,
