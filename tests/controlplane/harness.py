@@ -42,8 +42,10 @@ from pathlib import Path
 from typing import Any, Iterable
 
 HERE = Path(__file__).resolve().parent
-BIN_DIR = HERE / "bin"
-RUN_ROOT = HERE / "run"
+#: Built binaries (``build.sh``, ``get_helm_kubectl.sh``); ``KVTUNE_CP_BIN`` overrides.
+BIN_DIR = Path(os.environ.get("KVTUNE_CP_BIN") or HERE / "bin")
+#: Run dirs (logs, etcd data, certificates); ``KVTUNE_CP_RUN`` overrides.
+RUN_ROOT = Path(os.environ.get("KVTUNE_CP_RUN") or HERE / "run")
 STAGES_DIR = BIN_DIR / "kwok-stages"
 
 CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -74,7 +76,7 @@ def check_binaries(names: Iterable[str] = CONTROL_PLANE_BINARIES + TOOL_BINARIES
             f"test control plane binaries missing in {BIN_DIR}: {', '.join(missing)}.\n"
             "Build them first:  bash tests/controlplane/setup.sh\n"
             "(or only the Go part: bash tests/controlplane/build.sh, and helm/kubectl: "
-            "bash tests/controlplane/get_helm_kubectl.sh). A cold Go build takes ~10-25 min on 2 cores."
+            "bash tests/controlplane/get_helm_kubectl.sh). A cold Go build takes 5-25 min on 2 cores."
         )
 
 

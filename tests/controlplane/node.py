@@ -40,6 +40,7 @@ operator would build it from the pod status, into the local URL), `wait_for_pod`
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -149,10 +150,14 @@ class PodNode:
         # PR_SET_PDEATHSIG fires when it exits. It is this loop's thread.
         self._thread = threading.Thread(target=self._loop, name="pod-node", daemon=True)
         self._thread.start()
+        atexit.register(self.stop)
         self._synced.wait(10)
         return self
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
+        if self._log.closed:
+            return
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=60)
@@ -247,10 +252,17 @@ class PodNode:
                 self.reconcile()
             except Exception:  # noqa: BLE001 - keep the node alive, record the error
                 err = traceback.format_exc()
-                self.errors.append(err)
-                self._log.write(err)
+                if not self.errors or self.errors[-1] != err:
+                    self.errors.append(err)
+                    del self.errors[:-50]
+                    self._log.write(err)
             self._synced.set()
             self._stop.wait(self.poll_interval)
+        # Stop the processes from this thread: they die with it (PR_SET_PDEATHSIG), so this is the
+        # last moment for a graceful SIGTERM.
+        with self._lock:
+            for key in list(self.pods):
+                self._stop_pod(key, "pod node stopping")
 
     def reconcile(self) -> None:
         pods = self._call(self._api.list_pod_for_all_namespaces, label_selector=self.selector)["items"]

@@ -9,6 +9,7 @@ Tests can also publish their own targets with `set_targets` (a different SD file
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
@@ -94,6 +95,8 @@ class Prometheus:
         (rd / "prometheus.yml").write_text(json.dumps(config, indent=2))  # JSON is YAML
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        if not self.detached:
+            atexit.register(self.stop)
         self.proc = ManagedProcess("prometheus", [
             binary, f"--config.file={rd / 'prometheus.yml'}", f"--storage.tsdb.path={rd / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d",
@@ -116,6 +119,7 @@ class Prometheus:
         return self
 
     def stop(self, remove: bool | None = None) -> None:
+        atexit.unregister(self.stop)
         if self.proc is not None:
             self.proc.stop()
         if remove is None:

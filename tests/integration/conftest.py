@@ -96,13 +96,20 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         _STARTED.pop().stop()
 
 
+def _problem(check, exc_type) -> str | None:
+    try:
+        check()
+    except exc_type as e:
+        return str(e)
+    return None
+
+
 @pytest.fixture(scope="session")
 def controlplane():
     """A real Kubernetes v1.36.3 control plane with kwok GPU nodes (see module docstring)."""
-    try:
-        check_binaries()
-    except BinariesMissing as e:
-        pytest.fail(str(e), pytrace=False)
+    missing = _problem(check_binaries, BinariesMissing)
+    if missing:
+        pytest.fail(missing, pytrace=False)
     cp = ControlPlane(gpu_nodes=3)
     _STARTED.append(cp)
     cp.start()
@@ -114,10 +121,9 @@ def controlplane():
 @pytest.fixture(scope="session")
 def prometheus():
     """A real Prometheus (Debian package), 1 s scrape interval, file-based SD (see module docstring)."""
-    try:
-        prometheus_binary()
-    except PrometheusMissing as e:
-        pytest.fail(str(e), pytrace=False)
+    missing = _problem(prometheus_binary, PrometheusMissing)
+    if missing:
+        pytest.fail(missing, pytrace=False)
     prom = Prometheus()
     _STARTED.append(prom)
     prom.start()
