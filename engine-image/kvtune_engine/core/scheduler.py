@@ -1,0 +1,375 @@
+"""Continuous-batching scheduler over a paged KV cache, which names why requests wait.
+
+Invariant owned here: every unfinished request is in exactly one queue (running, swapped, waiting)
+and a running request's block table covers exactly its computed tokens between steps.
+
+One step (`schedule`), FCFS throughout:
+ 1. running requests, oldest first: a decode (1 token) or the next prefill chunk, within the
+    token budget; a request that needs a block it cannot get preempts the newest running
+    requests (swap to the host pool if it has room, else recompute later), or itself;
+ 2. swapped requests come back (swap-in) before any new admission;
+ 3. waiting requests are admitted while `max_num_seqs`, the token budget and the allocatable
+    blocks (free + evictable cached - watermark reserve) allow; the first limit that stops the
+    queue head is the step's waiting cause (see `stats.CAUSES`).
+No admission happens in a step that preempted. The watermark reserve only applies while something
+is running (it keeps decode headroom), so a request that fits the cache always gets in eventually.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from ..config import LIVE_KNOBS, ConfigError, EngineConfig
+from ..kv.kv_manager import KVManager
+from .batch import Batch, ScheduledSeq, StepOutput
+from .request import FinishReason, Request, RequestStatus
+from .stats import SchedulerStats
+
+RUNNING, WAITING, SWAPPED, FINISHED = (RequestStatus.RUNNING, RequestStatus.WAITING,
+                                       RequestStatus.SWAPPED, RequestStatus.FINISHED)
+
+
+class RequestRejected(ValueError):
+    """The request can never be scheduled under this engine's limits; the message says which."""
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_blocks: int, num_swap_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.num_swap_blocks = num_swap_blocks
+        self.block_size = config.block_size
+        self.kv = KVManager(num_blocks, config.block_size, num_swap_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()
+        self.requests: dict[str, Request] = {}       # unfinished, by id
+        self.stats = SchedulerStats()
+        self.computed_tokens = 0                      # sum of num_computed over device-resident requests
+        self._done_early: list[Request] = []          # finished inside schedule(); returned by update()
+        self._apply(config)
+
+    def _apply(self, config: EngineConfig) -> None:
+        self.config = config
+        self.reserve_blocks = int(config.watermark * self.num_blocks)
+
+    # ------------------------------------------------------------------ requests in and out
+    def add_request(self, req: Request) -> None:
+        n, bs, cfg = req.num_tokens, self.block_size, self.config
+        why = None
+        if n == 0:
+            why = "empty prompt"
+        elif n + 1 > cfg.max_model_len:
+            why = (f"prompt of {n} tokens + 1 output token exceeds max_model_len {cfg.max_model_len}")
+        elif -(-(n + 1) // bs) > self.num_blocks:
+            why = (f"prompt of {n} tokens + 1 output token needs {-(-(n + 1) // bs)} KV blocks of "
+                   f"{bs} tokens; the whole cache has {self.num_blocks} blocks "
+                   f"({self.num_blocks * bs} tokens)")
+        elif req.request_id in self.requests:
+            why = f"duplicate request id {req.request_id}"
+        if why is not None:
+            req.status, req.finish_reason, req.error = FINISHED, FinishReason.REJECTED, why
+            self.stats.rejected += 1
+            raise RequestRejected(why)
+        req.status = WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason, now: float | None = None) -> Request | None:
+        """Finish a request from outside (stop string, client gone): frees all it holds."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RUNNING:
+            self.running.remove(req)
+        elif req.status is SWAPPED:
+            self.swapped.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req, reason, now)
+        return req
+
+    def _release(self, req: Request, reason: FinishReason, now: float | None) -> None:
+        if req in self.kv.tables:
+            self.computed_tokens -= req.num_computed_tokens
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        req.status, req.finish_reason = FINISHED, reason
+        if now is not None:
+            req.finished_s = now
+        self.stats.finished += 1
+
+    # ------------------------------------------------------------------ live knobs
+    def update_config(self, **knobs) -> EngineConfig:
+        """Apply live knobs all at once (validated together), or none; restart knobs are refused."""
+        restart = sorted(set(knobs) - LIVE_KNOBS)
+        if restart:
+            raise ConfigError(f"{', '.join(restart)}: not a live knob (needs a restart or is unknown); "
+                              f"live knobs: {', '.join(sorted(LIVE_KNOBS))}")
+        new = self.config.with_changes(**knobs)
+        if self.config.enable_prefix_caching and not new.enable_prefix_caching:
+            self.kv.clear_cache()
+        self._apply(new)
+        return new
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self, now: float) -> Batch:
+        seqs: list[ScheduledSeq] = []
+        batch = Batch(seqs=seqs)
+        if not (self.running or self.waiting or self.swapped):
+            return batch
+        cfg, bs, kv = self.config, self.block_size, self.kv
+        pool, tables = kv.pool, kv.tables
+        chunked = cfg.enable_chunked_prefill
+        budget = cfg.max_num_batched_tokens
+        running = self.running
+        preempted = False
+        ctx = 0
+
+        # 1. running requests
+        i = 0
+        while i < len(running) and budget:
+            req = running[i]
+            computed = req.num_computed_tokens
+            total = len(req.prompt_token_ids) + len(req.output_token_ids)
+            n = total - computed
+            if n > budget:
+                if not chunked:
+                    i += 1
+                    continue
+                n = budget
+            table = tables[req]
+            need = (computed + n + bs - 1) // bs - len(table)
+            if need > 0:
+                while need > pool.num_allocatable and len(running) > i + 1:
+                    self._preempt(running.pop(), batch)
+                    preempted = True
+                if need > pool.num_allocatable:
+                    running.pop(i)
+                    if i == 0:   # alone and still too big: the cache cannot hold it
+                        req.error = (f"KV cache full: {total} tokens need more than the "
+                                     f"{self.num_blocks} blocks of {bs} tokens")
+                        self.stats.cache_limit_finishes += 1
+                        self._release(req, FinishReason.LENGTH, now)
+                        self._done_early.append(req)
+                    else:
+                        self._preempt(req, batch)
+                        preempted = True
+                    continue
+                kv.grow(table, need)
+            seqs.append(ScheduledSeq(req, computed, n, table, computed + n == total))
+            budget -= n
+            if n == 1:
+                ctx += total
+            i += 1
+
+        # 2. swapped requests, then 3. waiting requests
+        cause = "none"
+        if preempted:
+            if self.swapped or self.waiting:
+                cause = "kv_blocks"
+        else:
+            cause, budget, ctx = self._admit(self.swapped, True, now, batch, budget, ctx)
+            if cause == "none":
+                cause, budget, ctx = self._admit(self.waiting, False, now, batch, budget, ctx)
+        self.stats.record_step(cause)
+        batch.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        batch.num_decode_context_tokens = ctx
+        self.stats.scheduled_tokens += batch.num_batched_tokens
+        return batch
+
+    def head_need(self, req: Request, swapped: bool) -> tuple[list[int], int, int, int]:
+        """What the queue head would take now: (prefix-hit blocks, computed tokens, tokens left to
+        compute, allocatable blocks it consumes)."""
+        bs = self.block_size
+        total = len(req.prompt_token_ids) + len(req.output_token_ids)
+        if swapped:
+            held = len(self.kv.host_tables[req])
+            computed = req.num_computed_tokens
+            return [], computed, total - computed, held + max(0, -(-total // bs) - held)
+        hits = self.kv.cached_prefix(req) if self.config.enable_prefix_caching else []
+        computed = len(hits) * bs
+        return hits, computed, total - computed, self.kv.blocks_to_take(hits, -(-total // bs) - len(hits))
+
+    def _admit(self, queue: deque, swapped: bool, now: float, batch: Batch, budget: int, ctx: int):
+        cfg, bs, kv = self.config, self.block_size, self.kv
+        pool, running = kv.pool, self.running
+        max_seqs, chunked = cfg.max_num_seqs, cfg.enable_chunked_prefill
+        caching = cfg.enable_prefix_caching
+        while queue:
+            req = queue[0]
+            if len(running) >= max_seqs:
+                return "max_num_seqs", budget, ctx
+            if budget <= 0:
+                return "token_budget", budget, ctx
+            total = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if swapped:
+                hits, computed = [], req.num_computed_tokens
+                held = len(kv.host_tables[req])
+            else:
+                hits = kv.cached_prefix(req) if caching else []
+                held = len(hits)
+                computed = held * bs
+            n = total - computed
+            if n > budget:
+                if not chunked:
+                    return "token_budget", budget, ctx
+                n = budget
+            new_blocks = max(0, (computed + n + bs - 1) // bs - held)
+            take = (held + new_blocks) if swapped else kv.blocks_to_take(hits, new_blocks)
+            avail = pool.num_allocatable
+            if take > avail:
+                return "kv_blocks", budget, ctx
+            if running and take > avail - self.reserve_blocks:
+                return "watermark", budget, ctx
+            queue.popleft()
+            if swapped:
+                batch.swap_in += kv.swap_in(req)
+                table = kv.tables[req]
+                if new_blocks:
+                    kv.grow(table, new_blocks)
+            else:
+                table = kv.admit(req, hits, new_blocks)
+                req.num_computed_tokens = computed
+                if caching:
+                    self.stats.prefix_query_tokens += len(req.prompt_token_ids)
+                    self.stats.prefix_hit_tokens += computed
+                    if req.num_preemptions == 0:
+                        req.num_cached_tokens = computed
+                if req.first_scheduled_s is None:
+                    req.first_scheduled_s = now
+            self.computed_tokens += computed
+            req.status = RUNNING
+            running.append(req)
+            batch.seqs.append(ScheduledSeq(req, computed, n, table, computed + n == total))
+            budget -= n
+            if n == 1:
+                ctx += total
+        return "none", budget, ctx
+
+    def _preempt(self, req: Request, batch: Batch) -> None:
+        kv = self.kv
+        self.computed_tokens -= req.num_computed_tokens
+        req.num_preemptions += 1
+        if self.num_swap_blocks:
+            if kv.can_swap_out(req):
+                batch.swap_out += kv.swap_out(req)
+                req.status = SWAPPED
+                self.swapped.appendleft(req)
+                self.stats.preemptions["swap"] += 1
+                return
+            self.stats.swap_full += 1
+        kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = WAITING
+        self.waiting.appendleft(req)
+        self.stats.preemptions["recompute"] += 1
+
+    # ------------------------------------------------------------------ after the runner
+    def update(self, batch: Batch, out: StepOutput, now: float) -> list[Request]:
+        """Apply a step's results; returns the requests that finished in this step."""
+        finished, self._done_early = self._done_early, []
+        kv = self.kv
+        caching = self.config.enable_prefix_caching
+        max_len = self.config.max_model_len
+        self.computed_tokens += batch.num_batched_tokens
+        for seq, tok in zip(batch.seqs, out.tokens):
+            req = seq.request
+            if req.status is not RUNNING:        # finished or aborted while the step ran
+                self.computed_tokens -= seq.num_tokens
+                continue
+            computed = req.num_computed_tokens = seq.start_pos + seq.num_tokens
+            if caching and seq.start_pos < len(req.prompt_token_ids):
+                kv.commit(req, computed)
+            if tok is None:
+                continue
+            out_ids = req.output_token_ids
+            out_ids.append(tok)
+            if req.first_token_s is None:
+                req.first_token_s = now
+            req.last_token_s = now
+            sp = req.sampling
+            if len(out_ids) >= sp.max_tokens or len(req.prompt_token_ids) + len(out_ids) >= max_len:
+                reason = FinishReason.LENGTH
+            elif (tok == req.eos_token_id and not sp.ignore_eos) or tok in sp.stop_token_ids:
+                reason = FinishReason.STOP
+            else:
+                continue
+            self._release(req, reason, now)
+            finished.append(req)
+        if finished:
+            self.running = [r for r in self.running if r.status is RUNNING]
+        return finished
+
+    # ------------------------------------------------------------------ what it reports
+    @property
+    def kv_usage_ratio(self) -> float:
+        return self.kv.pool.num_used / self.num_blocks
+
+    @property
+    def internal_fragmentation_ratio(self) -> float:
+        used = self.kv.pool.num_used
+        if not used:
+            return 0.0
+        return (self.kv.num_table_blocks * self.block_size - self.computed_tokens) / (used * self.block_size)
+
+    @property
+    def swap_usage_ratio(self) -> float:
+        if not self.num_swap_blocks:
+            return 0.0
+        return 1.0 - self.kv.num_free_swap_blocks / self.num_swap_blocks
+
+    def block_counts(self) -> dict[str, int]:
+        """Blocks by state, a partition of the pool: free (unreserved), reserved (free blocks held
+        back by the watermark), used (referenced), cached (idle, reusable, evictable)."""
+        pool = self.kv.pool
+        free = pool.num_free
+        reserved = min(free, self.reserve_blocks)
+        return {"free": free - reserved, "reserved": reserved, "used": pool.num_used,
+                "cached": pool.num_cached_idle}
+
+    def snapshot(self) -> dict:
+        """JSON-able state for the admin API: config, blocks, queues, the head and why it waits."""
+        pool = self.kv.pool
+        head = None
+        queue, swapped = (self.swapped, True) if self.swapped else (self.waiting, False)
+        if queue:
+            req = queue[0]
+            hits, computed, left, take = self.head_need(req, swapped)
+            head = {"request_id": req.request_id, "queue": "swapped" if swapped else "waiting",
+                    "prompt_tokens": req.num_prompt_tokens, "cached_tokens": computed if not swapped else 0,
+                    "needed_tokens": left, "needed_blocks": take,
+                    "waited_steps_cause": self.stats.last_cause}
+        return {
+            "config": self.config.model_dump(),
+            "num_blocks": self.num_blocks,
+            "num_swap_blocks": self.num_swap_blocks,
+            "blocks": self.block_counts(),
+            "allocatable_blocks": max(0, pool.num_allocatable - self.reserve_blocks),
+            "queues": {"running": len(self.running), "waiting": len(self.waiting),
+                       "swapped": len(self.swapped)},
+            "head": head,
+            "waiting_cause": self.stats.last_cause,
+            "kv_usage_ratio": self.kv_usage_ratio,
+            "internal_fragmentation_ratio": self.internal_fragmentation_ratio,
+            "swap_usage_ratio": self.swap_usage_ratio,
+            **self.stats.as_dict(),
+        }
+
+    def check(self) -> None:
+        """All invariants (tests)."""
+        ids = [r.request_id for q in (self.running, self.waiting, self.swapped) for r in q]
+        assert len(ids) == len(set(ids)) == len(self.requests), "a request is in two queues or none"
+        for r in self.running:
+            assert r.status is RUNNING
+        for r in self.waiting:
+            assert r.status is WAITING and r not in self.kv.tables and r not in self.kv.host_tables
+        for r in self.swapped:
+            assert r.status is SWAPPED and r in self.kv.host_tables
+        assert set(self.kv.tables) == set(self.running)
+        assert self.computed_tokens == sum(r.num_computed_tokens for r in self.running)
+        self.kv.check({r: r.num_computed_tokens for r in (*self.running, *self.swapped)})

@@ -1,0 +1,123 @@
+"""The named profiles, derived in code from published GPU figures and model shapes.
+
+These are estimates, not measurements: they are meant to rank configurations (which knob helps,
+roughly how much), not to promise absolute latencies. Replace a profile by a fitted one
+(`profile.fit_step_costs` on the engine's step timings) whenever the real engine can be measured.
+
+Derivation (the same for every GPU profile, see `from_specs`):
+
+  weights_bytes        = parameters * 2                          (bf16)
+  kv_bytes_per_token   = 2 * layers * kv_heads * head_dim * 2    (K and V, bf16)
+  activation_base      = 0.75 GiB (CUDA context, cuBLAS/attention workspaces)
+                         + 256 * vocab * 4 (fp32 logits of up to 256 sampled rows)
+  activation/token     = 2 * (4 * hidden + 2 * intermediate + (heads + 2 * kv_heads) * head_dim)
+                         (the widest point of one layer: residual, normed input, attention output,
+                         MLP gate and up projections, the fused QKV; layers run one at a time)
+  step_overhead_s      = 1.5 ms + 30 us per layer (scheduler, sampling, ~10 kernel launches/layer)
+  weights_read_s       = weights_bytes / (0.8 * memory bandwidth)
+  per_token_s          = 2 * parameters / (0.55 * dense bf16 FLOP/s)
+  per_context_token_s  = kv_bytes_per_token / (0.7 * memory bandwidth)   (decode attention is bound
+                         by reading K/V)
+  per_prefill_pair_s   = 4 * layers * heads * head_dim / (0.4 * dense bf16 FLOP/s)  (QK^T and PV)
+  swap bandwidth       = 40% of the PCIe link's nominal rate (many block-sized copies)
+
+GPU figures (vendor data sheets): memory as `nvidia-smi` reports it.
+  H200 SXM   143771 MiB, HBM3e 4.8 TB/s, 989 TFLOP/s dense BF16, PCIe Gen5 x16 (64 GB/s)
+  A100 SXM4  81920 MiB (80 GB), HBM2e 2.039 TB/s, 312 TFLOP/s dense BF16, PCIe Gen4 x16 (32 GB/s)
+  L20        46068 MiB (48 GB GDDR6), 864 GB/s, 119.5 TFLOP/s dense FP16/BF16, PCIe Gen4 x16
+Host memory for swap: a typical 8-GPU node's RAM divided by 8 (256 / 128 / 64 GiB).
+
+Model shapes (the models' config.json):
+  Qwen3-0.6B   28 layers, hidden 1024, 16 heads, 8 KV heads, head_dim 128, intermediate 3072,
+               vocab 151936, tied embeddings: 0.596e9 parameters
+  Llama-3-8B   32 layers, hidden 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 14336,
+               vocab 128256: 8.03e9 parameters
+  Qwen3-8B     36 layers, hidden 4096, 32 heads, 8 KV heads, head_dim 128, intermediate 12288,
+               vocab 151936: 8.19e9 parameters
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .profile import Profile
+
+MIB, GIB = 1 << 20, 1 << 30
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_bytes: int
+    bandwidth: float        # bytes/s
+    flops: float            # dense bf16 FLOP/s
+    pcie: float             # bytes/s, nominal
+    host_bytes: int
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params: float
+
+
+H200 = GPU("H200 SXM 141GB", 143771 * MIB, 4.8e12, 989e12, 64e9, 256 * GIB)
+A100 = GPU("A100 SXM4 80GB", 81920 * MIB, 2.039e12, 312e12, 32e9, 128 * GIB)
+L20 = GPU("L20 48GB", 46068 * MIB, 864e9, 119.5e12, 32e9, 64 * GIB)
+
+QWEN3_0_6B = Model("Qwen3-0.6B", 28, 1024, 16, 8, 128, 3072, 151936, 0.596e9)
+LLAMA3_8B = Model("Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256, 8.03e9)
+QWEN3_8B = Model("Qwen3-8B", 36, 4096, 32, 8, 128, 12288, 151936, 8.19e9)
+
+
+def from_specs(name: str, gpu: GPU, m: Model) -> Profile:
+    weights = int(m.params * 2)
+    kv_per_token = 2 * m.layers * m.kv_heads * m.head_dim * 2
+    return Profile(
+        name=name,
+        description=f"{m.name} (bf16) on one {gpu.name}; estimated from data-sheet figures",
+        device_total_bytes=gpu.memory_bytes,
+        weights_bytes=weights,
+        activation_base_bytes=int(0.75 * GIB) + 256 * m.vocab * 4,
+        activation_bytes_per_batched_token=2 * (4 * m.hidden + 2 * m.intermediate
+                                                + (m.heads + 2 * m.kv_heads) * m.head_dim),
+        num_layers=m.layers, num_kv_heads=m.kv_heads, head_dim=m.head_dim, kv_dtype_bytes=2,
+        host_bytes=gpu.host_bytes,
+        swap_bandwidth_bytes_per_s=0.4 * gpu.pcie,
+        step_overhead_s=1.5e-3 + 30e-6 * m.layers,
+        weights_read_s=weights / (0.8 * gpu.bandwidth),
+        per_token_s=2 * m.params / (0.55 * gpu.flops),
+        per_context_token_s=kv_per_token / (0.7 * gpu.bandwidth),
+        per_prefill_pair_s=4 * m.layers * m.heads * m.head_dim / (0.4 * gpu.flops),
+        derivation="kvtune_engine/sim/profiles.py: from_specs",
+    )
+
+
+# cpu-tiny: the tiny random Llama the tests build (2 layers, hidden 64, 4 heads, 2 KV heads,
+# head_dim 16, fp32), run by our engine on CPU with --kv-cache-memory. The step costs are a first
+# estimate (~4 ms of Python per step, ~30 us per token) to be refitted with fit_step_costs from the
+# engine's measured steps; the memory picture is exact for that model (512 bytes of K/V per token).
+CPU_TINY = Profile(
+    name="cpu-tiny",
+    description="tiny random Llama (2 layers, hidden 64, fp32) on CPU; step costs to be refitted",
+    device_total_bytes=4 * GIB, weights_bytes=2 * MIB, activation_base_bytes=64 * MIB,
+    activation_bytes_per_batched_token=4 * (4 * 64 + 2 * 256 + 8 * 16),
+    num_layers=2, num_kv_heads=2, head_dim=16, kv_dtype_bytes=4,
+    host_bytes=8 * GIB, swap_bandwidth_bytes_per_s=5e9,
+    step_overhead_s=4e-3, weights_read_s=0.0, per_token_s=30e-6, per_context_token_s=0.2e-6,
+    per_prefill_pair_s=2e-9,
+    derivation="estimate; refit with kvtune_engine.sim.profile.fit_step_costs",
+)
+
+PROFILES: dict[str, Profile] = {
+    "h200-qwen3-0.6b": from_specs("h200-qwen3-0.6b", H200, QWEN3_0_6B),
+    "a100-llama3-8b": from_specs("a100-llama3-8b", A100, LLAMA3_8B),
+    "l20-qwen3-8b": from_specs("l20-qwen3-8b", L20, QWEN3_8B),
+    "cpu-tiny": CPU_TINY,
+}

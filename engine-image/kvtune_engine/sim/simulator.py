@@ -1,0 +1,232 @@
+"""Replay a trace through the engine's own Scheduler and a SimulatedRunner, in virtual time.
+
+`simulate(trace, config, profile, slo)` returns the summary that `kvtune sim --json` prints; the
+keys are documented in README.md ("kvtune sim output"). Deterministic: the same inputs give the
+same summary.
+
+Synthetic token ids: a request of prefix group g gets the group's shared tokens for its first
+`prefix_tokens` positions and tokens unique to the request after that, so the prefix cache sees
+exactly the sharing the trace describes (prompts of one group share the prefix, nothing else).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import EngineConfig
+from ..core.batch import StepOutput
+from ..core.request import Request, SamplingParams
+from ..core.scheduler import RequestRejected, Scheduler
+from ..core.stats import CAUSES
+from .profile import Profile
+from .runner import SimulatedRunner
+from .trace import TraceRequest
+
+_UNIQUE_BASE = 1_000_000_000     # first token of request i's own part: _UNIQUE_BASE + i
+_GROUP_BASE = 2_000_000_000      # first token of group j's prefix:     _GROUP_BASE + j
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+    def met(self, ttft: float, tpot: float | None) -> bool:
+        if self.ttft_s is not None and ttft > self.ttft_s:
+            return False
+        if self.tpot_s is not None and tpot is not None and tpot > self.tpot_s:
+            return False
+        return True
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default), on sorted data."""
+    if not sorted_values:
+        return None
+    pos = (len(sorted_values) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+class _Tokens:
+    """Synthetic prompts whose sharing is exactly the trace's prefix groups."""
+
+    def __init__(self) -> None:
+        self.groups: dict[str, list[int]] = {}
+
+    def prompt(self, i: int, r: TraceRequest) -> list[int]:
+        k = r.prefix_tokens if r.prefix_group is not None else 0
+        rest = r.prompt_tokens - k
+        own = [_UNIQUE_BASE + i] + [0] * (rest - 1) if rest > 0 else []
+        if not k:
+            return own
+        g = self.groups.get(r.prefix_group)
+        if g is None or len(g) < k:
+            j = len(self.groups) if g is None else g[0] - _GROUP_BASE
+            g = self.groups[r.prefix_group] = [_GROUP_BASE + j] + [1] * (max(k, 4096) - 1)
+        return g[:k] + own
+
+
+class _Acc:
+    """Time-weighted integrals of the cache state and per-request latencies."""
+
+    def __init__(self, slo: SLO) -> None:
+        self.slo = slo
+        self.busy_s = 0.0
+        self.usage = self.frag = self.running = self.shared = 0.0
+        self.states = dict.fromkeys(("free", "reserved", "used", "cached"), 0.0)
+        self.swap_peak = 0.0
+        self.running_max = self.queued_max = 0
+        self.ttft: list[float] = []
+        self.tpot: list[float] = []
+        self.queue: list[float] = []
+        self.e2e: list[float] = []
+        self.finished = self.out_tokens = self.good = self.cut = 0
+
+    def requests(self, done: list[Request]) -> None:
+        for req in done:
+            self.finished += 1
+            n_out = len(req.output_token_ids)
+            self.out_tokens += n_out
+            if req.error:
+                self.cut += 1
+            if req.first_token_s is None:     # finished before its first token: not good
+                continue
+            t1 = req.first_token_s - req.arrival_s
+            self.ttft.append(t1)
+            self.queue.append(req.first_scheduled_s - req.arrival_s)
+            self.e2e.append(req.finished_s - req.arrival_s)
+            t2 = (req.finished_s - req.first_token_s) / (n_out - 1) if n_out > 1 else None
+            if t2 is not None:
+                self.tpot.append(t2)
+            if self.slo.met(t1, t2):
+                self.good += 1
+
+
+def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
+             slo: SLO | None = None) -> dict:
+    """Replay `trace` under `config` on `profile`; the summary dict of `kvtune sim --json`."""
+    if not trace:
+        raise ValueError("empty trace")
+    size = profile.kv_cache_size(config)
+    sched = Scheduler(config, size.num_blocks, size.num_swap_blocks)
+    runner = SimulatedRunner(profile, size.block_bytes)
+    acc = _Acc(slo or SLO())
+    order = sorted(range(len(trace)), key=lambda j: trace[j].arrival_s)
+    tokens = _Tokens()
+    schedule, execute, update = sched.schedule, runner.execute, sched.update
+    pool, kv = sched.kv.pool, sched.kv
+    nb, bs, reserve = size.num_blocks, config.block_size, sched.reserve_blocks
+    states = acc.states
+    n_total, i, rejected = len(order), 0, 0
+    now = start = trace[order[0]].arrival_s
+
+    while True:
+        while i < n_total and trace[order[i]].arrival_s <= now:
+            j = order[i]
+            r = trace[j]
+            req = Request(tokens.prompt(j, r), SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
+                          arrival_s=r.arrival_s, request_id=f"r{j}", prefix_group=r.prefix_group)
+            try:
+                sched.add_request(req)
+            except RequestRejected:
+                rejected += 1
+            i += 1
+        if not sched.has_unfinished():
+            if i >= n_total:
+                break
+            now = trace[order[i]].arrival_s
+            continue
+        batch = schedule(now)
+        if batch.empty:   # e.g. the only running request outgrew the cache and was finished
+            done = update(batch, StepOutput([], 0.0), now)
+            if not done:
+                raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
+            acc.requests(done)
+            continue
+        out = execute(batch)
+        dt = out.duration_s
+        # the cache as it is during this step (blocks for the tokens being computed included),
+        # weighted by the step's duration: what averaging a scraped gauge over time gives
+        used = pool.num_used
+        acc.busy_s += dt
+        acc.usage += used * dt
+        if used:
+            empty = kv.num_table_blocks * bs - sched.computed_tokens - batch.num_batched_tokens
+            acc.frag += empty / (used * bs) * dt
+        acc.shared += pool.num_shared * dt
+        nr = len(sched.running)
+        acc.running += nr * dt
+        if nr > acc.running_max:
+            acc.running_max = nr
+        nq = len(sched.waiting) + len(sched.swapped)
+        if nq > acc.queued_max:
+            acc.queued_max = nq
+        free = pool.num_free
+        held = min(free, reserve)
+        states["free"] += (free - held) * dt
+        states["reserved"] += held * dt
+        states["used"] += used * dt
+        states["cached"] += pool.num_cached_idle * dt
+        if size.num_swap_blocks:
+            sw = sched.swap_usage_ratio
+            if sw > acc.swap_peak:
+                acc.swap_peak = sw
+        now += dt
+        acc.requests(update(batch, out, now))
+    return _summary(acc, sched, size, config, profile, now - start, n_total, rejected)
+
+
+def _summary(acc: _Acc, sched: Scheduler, size, config: EngineConfig, profile: Profile,
+             duration: float, n_total: int, rejected: int) -> dict:
+    duration = max(duration, 1e-12)
+    busy = acc.busy_s or 1e-12
+    nb = size.num_blocks
+    st = sched.stats
+    share = {c: st.cause_steps[c] / st.steps if st.steps else 0.0 for c in CAUSES}
+    dominant = max(CAUSES[1:], key=lambda c: st.cause_steps[c])
+    if st.cause_steps[dominant] == 0:
+        dominant = "none"
+    for v in (acc.ttft, acc.tpot, acc.queue, acc.e2e):
+        v.sort()
+    act = profile.activation_peak_bytes(config.max_num_batched_tokens)
+    mem = {"device_total": profile.device_total_bytes, "weights": profile.weights_bytes,
+           "activations_peak": act, "kv_cache": size.kv_cache_bytes,
+           "unused": max(0, profile.device_total_bytes - profile.weights_bytes - act - size.kv_cache_bytes),
+           "swap": size.swap_bytes}
+    q, h = st.prefix_query_tokens, st.prefix_hit_tokens
+    return {
+        "output_tokens_per_s": acc.out_tokens / duration,
+        "requests_per_s": acc.finished / duration,
+        "goodput_requests_per_s": acc.good / duration,
+        "ttft_p50_s": percentile(acc.ttft, 0.5), "ttft_p99_s": percentile(acc.ttft, 0.99),
+        "tpot_p50_s": percentile(acc.tpot, 0.5), "tpot_p99_s": percentile(acc.tpot, 0.99),
+        "queue_time_p50_s": percentile(acc.queue, 0.5), "queue_time_p99_s": percentile(acc.queue, 0.99),
+        "e2e_p50_s": percentile(acc.e2e, 0.5), "e2e_p99_s": percentile(acc.e2e, 0.99),
+        "preemptions": {**st.preemptions, "swap_full": st.swap_full},
+        "waiting_cause_share": share,
+        "dominant_waiting_cause": dominant,
+        "kv_usage_mean": acc.usage / busy / nb,
+        "internal_fragmentation_mean": acc.frag / busy,
+        "kv_blocks_mean_share": {k: v / busy / nb for k, v in acc.states.items()},
+        "shared_blocks_mean_share": acc.shared / busy / nb,
+        "swap_usage_peak": acc.swap_peak,
+        "running_mean": acc.running / busy,
+        "running_max": acc.running_max,
+        "queued_max": acc.queued_max,
+        "prefix_cache": {"query_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0},
+        "num_blocks": nb,
+        "num_swap_blocks": size.num_swap_blocks,
+        "block_bytes": size.block_bytes,
+        "memory_bytes": mem,
+        "requests": {"total": n_total, "finished": acc.finished, "rejected": rejected,
+                     "meeting_slo": acc.good, "cut_by_cache": acc.cut},
+        "output_tokens": acc.out_tokens,
+        "duration_s": duration,
+        "busy_s": acc.busy_s,
+        "steps": st.steps,
+        "slo": {"ttft_s": acc.slo.ttft_s, "tpot_s": acc.slo.tpot_s},
+        "profile": profile.name,
+        "config": config.model_dump(),
+    }
