@@ -126,8 +126,8 @@ def effective_engine(spec: InferenceDeploymentSpec, status: InferenceDeploymentS
     dropped: dict[str, str] = {}
     bounds = knob_bounds(spec)
     for knob, value in tuned_status.items():
-        if value == base_values.get(knob):
-            continue
+        if value == base_values.get(knob) or (knob in seen_baseline and value == seen_baseline[knob]):
+            continue  # not a tuned value: the spec's value, now or when status was written
         camel = KNOBS[knob]
         if AutotuneMode(mode) == AutotuneMode.OFF:
             dropped[knob] = "autotune mode is Off"

@@ -23,10 +23,17 @@ from typing import Any
 import kopf
 
 from kvtune_operator.model import GROUP, PLURAL, VERSION
-from kvtune_operator.reconcile import Reconciler
+from kvtune_operator.reconcile import Outcome, Reconciler
 from kvtune_operator.settings import Settings
 
 ANNOTATION_PREFIX = "kvtune.io"
+log = logging.getLogger("kvtune_operator")
+
+
+def _log(namespace: str, name: str, outcome: Outcome) -> None:
+    for ev in outcome.events:
+        log.log(logging.WARNING if ev.type == "Warning" else logging.INFO, "%s/%s: %s: %s",
+                namespace, name, ev.reason, ev.message)
 
 
 def retry_delay(settings: Settings, retry: int) -> float:
@@ -58,29 +65,29 @@ def build_registry(settings: Settings, reconciler: Reconciler) -> kopf.OperatorR
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
 
-    @kopf.on.create(**resource, registry=registry)
-    @kopf.on.update(**resource, registry=registry)
-    @kopf.on.resume(**resource, registry=registry)
-    def reconcile(namespace: str, name: str, retry: int, logger: logging.Logger, **_: Any) -> None:
+    handling = dict(registry=registry, backoff=settings.retry_backoff)
+
+    @kopf.on.create(**resource, **handling, id="reconcile")
+    @kopf.on.update(**resource, **handling, id="reconcile")
+    @kopf.on.resume(**resource, **handling, id="reconcile")
+    def reconcile(namespace: str, name: str, retry: int, **_: Any) -> None:
         outcome = reconciler.reconcile(namespace, name)
-        for ev in outcome.events:
-            logger.info("%s: %s", ev.reason, ev.message)
+        _log(namespace, name, outcome)
         if outcome.retry:
             raise kopf.TemporaryError(outcome.retry, delay=retry_delay(settings, retry))
 
-    @kopf.timer(**resource, registry=registry, interval=settings.status_interval,
-                initial_delay=settings.status_interval, idle=None)
-    def refresh(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+    @kopf.timer(**resource, **handling, id="refresh", interval=settings.status_interval,
+                initial_delay=settings.status_interval)
+    def refresh(namespace: str, name: str, **_: Any) -> None:
         outcome = reconciler.reconcile(namespace, name)
-        for ev in outcome.events:
-            logger.info("%s: %s", ev.reason, ev.message)
+        _log(namespace, name, outcome)
         if outcome.retry:
-            logger.warning("will retry at the next refresh: %s", outcome.retry)
+            log.warning("%s/%s: will retry at the next refresh: %s", namespace, name, outcome.retry)
 
-    @kopf.on.delete(**resource, registry=registry, optional=True)
-    def deleted(namespace: str, name: str, logger: logging.Logger, **_: Any) -> None:
+    @kopf.on.delete(**resource, registry=registry, id="deleted", optional=True)
+    def deleted(namespace: str, name: str, **_: Any) -> None:
         reconciler.forget(namespace, name)
-        logger.info("deleted; its ConfigMap, Deployment, Service and PodMonitor go by garbage collection")
+        log.info("%s/%s: deleted; its children go by garbage collection", namespace, name)
 
     @kopf.on.probe(id="uptime_seconds", registry=registry)
     def health(**_: Any) -> float:
@@ -94,6 +101,8 @@ def run(settings: Settings, *, kubeconfig: str | None = None) -> None:
     from kvtune_operator.kube import Kube
 
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.log_level != "DEBUG":  # kopf logs every timer tick at INFO; our own lines tell the story
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     kube = Kube.from_environment(kubeconfig, field_manager=settings.field_manager)
     registry = build_registry(settings, Reconciler(kube, settings))
     kopf.run(

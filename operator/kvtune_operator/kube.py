@@ -136,15 +136,20 @@ class Kube:
         api_version, kind = obj["apiVersion"], obj["kind"]
         name, namespace = obj["metadata"]["name"], obj["metadata"]["namespace"]
         api, what = self._route(api_version, kind)
-        body = json.dumps(obj)
         kwargs = {"field_manager": self.field_manager, "force": True, "_content_type": APPLY_CONTENT_TYPE}
         if api == "custom":
             group, version = api_version.split("/")
-            out = self._call(self.custom.patch_namespaced_custom_object, group, version, namespace, what, name,
-                             body, **kwargs)
+            fn, args = self.custom.patch_namespaced_custom_object, (group, version, namespace, what, name)
         else:
             fn = getattr(self.core if api == "core" else self.apps, f"patch_namespaced_{what}")
-            out = self._call(fn, name, namespace, body, **kwargs)
+            args = (name, namespace)
+        try:
+            out = self._call(fn, *args, obj, **kwargs)
+        except KubeError as e:
+            # Clients before v33 send a YAML content type only from a string body (JSON is YAML).
+            if e.status != 0 or "Cannot prepare a request message" not in str(e):
+                raise
+            out = self._call(fn, *args, json.dumps(obj), **kwargs)
         if out is None:  # 404 on apply: the namespace is gone (being deleted)
             raise KubeError(f"cannot apply {kind} {namespace}/{name}: not found", 404)
         return out
@@ -157,7 +162,7 @@ class Kube:
     def patch_infd_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any] | None:
         """JSON merge patch of the status subresource (None values delete fields)."""
         return self._call(self.custom.patch_namespaced_custom_object_status, m.GROUP, m.VERSION, namespace,
-                          m.PLURAL, name, json.dumps({"status": status}), _content_type=MERGE_CONTENT_TYPE)
+                          m.PLURAL, name, {"status": status}, _content_type=MERGE_CONTENT_TYPE)
 
     # -- reads --------------------------------------------------------------------------------
 

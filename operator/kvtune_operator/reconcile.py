@@ -88,7 +88,8 @@ def knob_change_events(previous: dict[str, Any] | None, effective: Effective, co
     changed = [k for k in KNOBS if k in old and old.get(k) != new.get(k) or k not in old and new.get(k) is not None]
 
     def line(k: str) -> str:
-        why = " (tuned)" if k in effective.tuned else f" ({effective.dropped[k]})" if k in effective.dropped else ""
+        why = " (tuned)" if k in effective.tuned else f" ({effective.dropped[k]})" if k in effective.dropped \
+            else " (spec.engine)"
         return f"{KNOBS[k]} {_fmt(old.get(k))} -> {_fmt(new.get(k))}{why}"
 
     events = []
