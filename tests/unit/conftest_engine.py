@@ -1,6 +1,6 @@
 """Fixtures for the engine, server, metrics and offline tests (import them by name from a test module).
 
-* ``tiny_llama`` (session): a tiny random Llama written by ``make_tiny_model`` into a tmp dir.
+* ``tiny_llama`` (session): conftest.py's tiny random Llama (``tiny_model("llama")``).
 * ``run_server(...)``: a context manager running the real FastAPI app under uvicorn on a free
   loopback port (socket bound here, so no port race), yielding a ``Srv`` with the URL and engine.
 * ``ScriptedRunner``: a Runner that emits scripted tokens (detokenization and stop-string tests
@@ -29,11 +29,9 @@ TEST_FLAGS: dict[str, Any] = dict(kv_cache_memory=0.004, swap_space=0.002, max_m
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory) -> Path:
-    from kvtune_engine.model.tiny import make_tiny_model
-    d = tmp_path_factory.mktemp("models") / "tiny-llama"
-    make_tiny_model(d, arch="llama", layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, intermediate=128)
-    return d
+def tiny_llama(tiny_model) -> Path:
+    """The shared session tiny Llama of conftest.py (2 layers, hidden 64, vocab 512)."""
+    return tiny_model("llama")
 
 
 def build_engine(model_dir: Path, **flags: Any):
