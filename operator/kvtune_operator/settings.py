@@ -20,7 +20,7 @@ DEFAULT_PROMETHEUS_URL = "http://prometheus-operated.monitoring.svc:9090"
 class Settings(BaseModel):
     """Everything the operator reads at start-up."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=True)
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=True, validate_default=True)
 
     namespaces: tuple[str, ...] = Field(
         (), description="Namespaces to watch; empty watches all namespaces (cluster-wide).")

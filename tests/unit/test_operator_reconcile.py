@@ -1,0 +1,283 @@
+"""One reconcile against an in-memory fake of `Kube`: apply, idempotence, events, status, errors."""
+from __future__ import annotations
+
+import copy
+import json
+
+from kvtune_operator.conditions import Cond, get_condition
+from kvtune_operator.kube import API_CALLS, KubeError
+from kvtune_operator.reconcile import Reconciler
+from kvtune_operator.render import ANNOTATION_RESTART_HASH
+from kvtune_operator.settings import Settings
+
+
+class FakeKube:
+    """Objects keyed by (apiVersion, kind, namespace, name); a resourceVersion bump only on change."""
+
+    def __init__(self, podmonitor: bool = False):
+        self.objects: dict[tuple, dict] = {}
+        self.events: list[tuple[str, str, str]] = []
+        self.pvcs: set[tuple[str, str]] = set()
+        self.pods: list[dict] = []
+        self.podmonitor = podmonitor
+        self.fail_kind: str | None = None
+        self.rv = 0
+        self.calls: list[tuple[str, str]] = []
+
+    def _bump(self) -> str:
+        self.rv += 1
+        return str(self.rv)
+
+    def add_infd(self, spec: dict, name="qwen", namespace="llm") -> None:
+        self.objects[("kvtune.io/v1alpha1", "InferenceDeployment", namespace, name)] = {
+            "apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment",
+            "metadata": {"name": name, "namespace": namespace, "uid": "uid-1", "generation": 1,
+                         "resourceVersion": self._bump()},
+            "spec": spec, "status": {}}
+
+    def infd(self, name="qwen", namespace="llm") -> dict:
+        return self.objects[("kvtune.io/v1alpha1", "InferenceDeployment", namespace, name)]
+
+    def edit_spec(self, **changes) -> None:
+        obj = self.infd()
+        for path, value in changes.items():
+            node = obj["spec"]
+            *parents, leaf = path.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = value
+        obj["metadata"]["generation"] += 1
+
+    # -- the Kube interface ----------------------------------------------------------------------
+    def get_infd(self, namespace, name):
+        self.calls.append(("kvtune.io/inferencedeployments", "get"))
+        obj = self.objects.get(("kvtune.io/v1alpha1", "InferenceDeployment", namespace, name))
+        return copy.deepcopy(obj)
+
+    def patch_infd_status(self, namespace, name, status):
+        self.calls.append(("kvtune.io/inferencedeployments/status", "patch"))
+        obj = self.infd(name, namespace)
+        obj["status"] = json.loads(json.dumps({**obj.get("status", {}), **status}))
+        return obj
+
+    def get(self, api_version, kind, namespace, name):
+        self.calls.append((kind, "get"))
+        return copy.deepcopy(self.objects.get((api_version, kind, namespace, name)))
+
+    def apply(self, obj):
+        self.calls.append((obj["kind"], "patch"))
+        if obj["kind"] == self.fail_kind:
+            raise KubeError("admission webhook denied the request", 422)
+        key = (obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        old = self.objects.get(key)
+        new = copy.deepcopy(obj)
+        new.setdefault("status", (old or {}).get("status", {}))
+        strip = lambda o: {k: v for k, v in o.items() if k not in ("status",)} | {  # noqa: E731
+            "metadata": {k: v for k, v in o["metadata"].items() if k not in ("resourceVersion", "generation")}}
+        if old is not None and strip(old) == strip(new):
+            return copy.deepcopy(old)
+        gen = (old or {}).get("metadata", {}).get("generation", 0)
+        if old is None or old.get("spec") != new.get("spec"):
+            gen += 1
+        new["metadata"]["generation"] = gen
+        new["metadata"]["resourceVersion"] = self._bump()
+        self.objects[key] = new
+        return copy.deepcopy(new)
+
+    def list_pods(self, namespace, label_selector):
+        self.calls.append(("pods", "list"))
+        return copy.deepcopy(self.pods)
+
+    def get_pvc(self, namespace, name):
+        self.calls.append(("persistentvolumeclaims", "get"))
+        return {"metadata": {"name": name}} if (namespace, name) in self.pvcs else None
+
+    def served(self, group, version, plural):
+        return self.podmonitor
+
+    def event(self, involved, type_, reason, message):
+        self.calls.append(("events", "create"))
+        self.events.append((type_, reason, message))
+
+    # -- helpers -----------------------------------------------------------------------------------
+    def child(self, kind, name="qwen"):
+        return next(v for k, v in self.objects.items() if k[1] == kind and k[3] == name)
+
+    def rollout(self, ready=None):
+        """Play the Deployment controller: everything updated and ready."""
+        d = self.child("Deployment")
+        n = d["spec"]["replicas"]
+        d["status"] = {"observedGeneration": d["metadata"]["generation"], "replicas": n, "updatedReplicas": n,
+                       "readyReplicas": n if ready is None else ready, "availableReplicas": n if ready is None else ready}
+
+
+SPEC = {"model": {"path": "/models/qwen"}, "replicas": 1,
+        "engine": {"blockSize": 16, "gpuMemoryUtilization": 0.9, "swapSpaceGiB": 4, "maxNumSeqs": 64,
+                   "maxNumBatchedTokens": 8192, "maxModelLen": 8192, "watermark": 0.01,
+                   "enablePrefixCaching": True, "enableChunkedPrefill": True},
+        "autotune": {"mode": "Apply"}}
+
+
+def setup(**kw):
+    kube = FakeKube(**kw)
+    kube.add_infd(copy.deepcopy(SPEC))
+    return kube, Reconciler(kube, Settings.from_env({}))
+
+
+def reasons(kube):
+    return [e[1] for e in kube.events]
+
+
+def test_create_applies_children_and_writes_status():
+    kube, rec = setup(podmonitor=True)
+    out = rec.reconcile("llm", "qwen")
+    assert out.retry is None
+    assert {k[1] for k in kube.objects} == {"InferenceDeployment", "ConfigMap", "Deployment", "Service", "PodMonitor"}
+    assert reasons(kube).count("Created") == 4
+    st = kube.infd()["status"]
+    assert st["engine"]["maxNumSeqs"] == 64 and st["baseline"] == st["engine"]
+    assert st["observedGeneration"] == 1 and st["replicaSummary"] == "0/1"
+    assert st["selector"] == "app.kubernetes.io/instance=qwen,app.kubernetes.io/name=kvtune-engine"
+    assert st["tuning"] == {"mode": "Apply", "phase": "Pending"}
+    assert st["restartHash"] == kube.child("Deployment")["spec"]["template"]["metadata"]["annotations"][ANNOTATION_RESTART_HASH]
+    types = [x["type"] for x in st["conditions"]]
+    assert types == ["Ready", "Progressing", "MetricsAvailable", "Tuned", "Degraded"]
+    assert get_condition(st["conditions"], "Degraded")["status"] == "False"
+
+
+def test_second_reconcile_changes_nothing():
+    kube, rec = setup()
+    rec.reconcile("llm", "qwen")
+    kube.rollout()
+    rec.reconcile("llm", "qwen")  # Ready / RolloutComplete transitions
+    before = copy.deepcopy({k: v for k, v in kube.objects.items() if k[1] != "InferenceDeployment"})
+    n_events = len(kube.events)
+    out = rec.reconcile("llm", "qwen")
+    assert out.events == [] and len(kube.events) == n_events
+    assert {k: v for k, v in kube.objects.items() if k[1] != "InferenceDeployment"} == before
+    assert get_condition(kube.infd()["status"]["conditions"], "Ready")["status"] == "True"
+
+
+def test_live_knob_changes_only_the_configmap():
+    kube, rec = setup()
+    rec.reconcile("llm", "qwen")
+    kube.rollout()
+    rec.reconcile("llm", "qwen")
+    dep_rv = kube.child("Deployment")["metadata"]["resourceVersion"]
+    cm_rv = kube.child("ConfigMap", "qwen-engine")["metadata"]["resourceVersion"]
+    kube.edit_spec(**{"engine.maxNumSeqs": 160})
+    out = rec.reconcile("llm", "qwen")
+    assert kube.child("Deployment")["metadata"]["resourceVersion"] == dep_rv
+    assert kube.child("ConfigMap", "qwen-engine")["metadata"]["resourceVersion"] != cm_rv
+    assert "max_num_seqs: 160" in kube.child("ConfigMap", "qwen-engine")["data"]["engine.yaml"]
+    assert [e.reason for e in out.events] == ["EngineConfigChanged"]
+    assert "maxNumSeqs 64 -> 160" in out.events[0].message and "no restart" in out.events[0].message
+
+
+def test_restart_knob_rolls_the_deployment():
+    kube, rec = setup()
+    rec.reconcile("llm", "qwen")
+    kube.rollout()
+    rec.reconcile("llm", "qwen")
+    old_hash = kube.infd()["status"]["restartHash"]
+    kube.edit_spec(**{"engine.blockSize": 32})
+    out = rec.reconcile("llm", "qwen")
+    tmpl = kube.child("Deployment")["spec"]["template"]
+    assert tmpl["metadata"]["annotations"][ANNOTATION_RESTART_HASH] != old_hash
+    assert [e.reason for e in out.events] == ["RollingRestart"]
+    st = kube.infd()["status"]
+    assert st["engine"]["blockSize"] == 32 and st["observedGeneration"] == 2
+    prog = get_condition(st["conditions"], "Progressing")
+    assert prog["status"] == "True" and "blockSize" in prog["message"]
+
+
+def test_scale():
+    kube, rec = setup()
+    rec.reconcile("llm", "qwen")
+    kube.edit_spec(replicas=3)
+    out = rec.reconcile("llm", "qwen")
+    assert kube.child("Deployment")["spec"]["replicas"] == 3
+    assert [e.reason for e in out.events] == ["Scaled"]
+
+
+def test_tuner_status_update_is_applied_and_kept():
+    kube, rec = setup()
+    rec.reconcile("llm", "qwen")
+    status = kube.infd()["status"]
+    tuned = {**status["engine"], "maxNumSeqs": 160}
+    out = rec.reconcile("llm", "qwen", status_update={
+        "engine": tuned, "tuning": {"phase": "Verifying"},
+        "diagnosis": {"cause": "SequenceCap", "message": "64 of 64 running", "figures": {"kvUsagePercent": 26.0}}},
+        conditions=[Cond("MetricsAvailable", "True", "SeriesFound", "ok")])
+    assert "max_num_seqs: 160" in kube.child("ConfigMap", "qwen-engine")["data"]["engine.yaml"]
+    assert "(tuned)" in out.events[0].message
+    st = kube.infd()["status"]
+    assert st["engine"]["maxNumSeqs"] == 160 and st["baseline"]["maxNumSeqs"] == 64
+    assert st["tuning"] == {"mode": "Apply", "phase": "Verifying"} and st["diagnosis"]["cause"] == "SequenceCap"
+    assert get_condition(st["conditions"], "MetricsAvailable")["reason"] == "SeriesFound"
+    rec.reconcile("llm", "qwen")  # a later refresh keeps the tuned value and the tuner's conditions
+    st = kube.infd()["status"]
+    assert st["engine"]["maxNumSeqs"] == 160
+    assert get_condition(st["conditions"], "MetricsAvailable")["reason"] == "SeriesFound"
+    kube.edit_spec(**{"autotune.mode": "Off"})
+    out = rec.reconcile("llm", "qwen")
+    assert kube.infd()["status"]["engine"]["maxNumSeqs"] == 64
+    assert kube.infd()["status"]["tuning"]["phase"] == "Off"
+    assert get_condition(kube.infd()["status"]["conditions"], "Tuned")["reason"] == "AutotuneOff"
+
+
+def test_apply_failure_is_degraded_and_retried():
+    kube, rec = setup()
+    kube.fail_kind = "Deployment"
+    out = rec.reconcile("llm", "qwen")
+    assert out.retry and "webhook denied" in out.retry
+    st = kube.infd()["status"]
+    deg = get_condition(st["conditions"], "Degraded")
+    assert deg["status"] == "True" and deg["reason"] == "ApplyFailed"
+    assert "observedGeneration" not in st
+    assert ("Warning", "ApplyFailed") in [(t, r) for t, r, _ in kube.events]
+    kube.fail_kind = None
+    out = rec.reconcile("llm", "qwen")
+    assert out.retry is None and "Recovered" in reasons(kube)
+
+
+def test_missing_pvc_is_degraded_until_it_exists():
+    kube, rec = setup()
+    kube.edit_spec(**{"model.volume": {"persistentVolumeClaim": {"claimName": "weights", "readOnly": True},
+                                       "mountPath": "/models"}})
+    rec.reconcile("llm", "qwen")
+    deg = get_condition(kube.infd()["status"]["conditions"], "Degraded")
+    assert deg["reason"] == "ModelVolumeMissing" and "weights" in deg["message"]
+    assert kube.child("Deployment")  # still applied: it starts once the claim exists
+    kube.pvcs.add(("llm", "weights"))
+    rec.reconcile("llm", "qwen")
+    assert get_condition(kube.infd()["status"]["conditions"], "Degraded")["status"] == "False"
+
+
+def test_crashing_engine_is_degraded_with_its_last_words():
+    kube, rec = setup()
+    kube.pods = [{"metadata": {"name": "qwen-1"}, "status": {"containerStatuses": [{
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s"}},
+        "lastState": {"terminated": {"exitCode": 1, "message": "error: model path /models/qwen does not exist"}}}]}}]
+    rec.reconcile("llm", "qwen")
+    deg = get_condition(kube.infd()["status"]["conditions"], "Degraded")
+    assert deg["reason"] == "EngineFailing" and "does not exist" in deg["message"]
+
+
+def test_deleted_object_is_left_alone():
+    kube, rec = setup()
+    kube.infd()["metadata"]["deletionTimestamp"] = "2024-01-01T00:00:00Z"
+    assert rec.reconcile("llm", "qwen").gone
+    assert rec.reconcile("llm", "other").gone
+    assert [k for k in kube.objects if k[1] != "InferenceDeployment"] == []
+
+
+def test_calls_are_covered_by_the_declared_rbac():
+    kube, rec = setup(podmonitor=True)
+    rec.reconcile("llm", "qwen")
+    granted = {(res, verb) for (_, res), verbs in API_CALLS.items() for verb in verbs}
+    kinds = {"ConfigMap": "configmaps", "Deployment": "deployments", "Service": "services", "PodMonitor": "podmonitors",
+             "kvtune.io/inferencedeployments": "inferencedeployments",
+             "kvtune.io/inferencedeployments/status": "inferencedeployments/status"}
+    for what, verb in set(kube.calls):
+        assert (kinds.get(what, what), verb) in granted, (what, verb)
