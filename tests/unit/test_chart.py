@@ -1,0 +1,115 @@
+"""The Helm chart: same CRD as crds/, least-privilege RBAC equal to the operator's API calls,
+values that match their schema and the operator's settings, and (when helm is here) lint + template."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvtune_operator.crd import CRD_FILE
+from kvtune_operator.kube import API_CALLS
+from kvtune_operator.settings import ENV_PREFIX, Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "kvtune"
+
+
+def _helm() -> str | None:
+    local = ROOT / "tests" / "controlplane" / "bin" / "helm"
+    return str(local) if os.access(local, os.X_OK) else shutil.which("helm")
+
+
+def _rules_as_calls(rules: list[dict]) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in rules:
+        for group in rule["apiGroups"]:
+            for res in rule["resources"]:
+                out.setdefault((group, res), set()).update(rule["verbs"])
+    return out
+
+
+def test_chart_crd_is_byte_identical_to_crds_dir():
+    assert (CHART / "crds" / CRD_FILE).read_bytes() == (ROOT / "crds" / CRD_FILE).read_bytes(), (
+        "charts/kvtune/crds/ differs from crds/: cp crds/*.yaml charts/kvtune/crds/")
+
+
+def test_rbac_rules_are_exactly_the_operators_calls():
+    rules = yaml.safe_load((CHART / "files" / "rbac-rules.yaml").read_text())
+    assert _rules_as_calls(rules) == API_CALLS
+    for rule in rules:
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+        assert not {"delete", "deletecollection", "update", "escalate", "bind", "impersonate"} & set(rule["verbs"])
+
+
+def test_values_match_schema_and_settings():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert set(values) == set(schema["properties"])
+    assert set(schema["required"]) <= set(values)
+    assert values["autotune"]["mode"] in schema["properties"]["autotune"]["properties"]["mode"]["enum"]
+    template = (CHART / "templates" / "deployment.yaml").read_text()
+    assert 'command: ["kvtune", "operator", "run"]' in template
+    for var in re.findall(r"name: (KVTUNE_[A-Z_]+)", template):
+        assert var.removeprefix(ENV_PREFIX).lower() in Settings.model_fields, var
+    # the chart's defaults are the operator's defaults
+    s = Settings()
+    assert values["prometheusUrl"] == s.prometheus_url
+    assert (values["autotune"]["interval"], values["autotune"]["window"], values["autotune"]["cooldown"]) == (
+        s.autotune_interval, s.autotune_window, s.autotune_cooldown)
+
+
+def test_dashboard_queries_engine_metrics():
+    dash = json.loads((CHART / "files" / "dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    assert exprs and all("kvtune_" in e for e in exprs)
+    for needed in ("kvtune_kv_usage_ratio", "kvtune_scheduler_waiting_reason_steps_total", "kvtune_preemptions_total",
+                   "kvtune_requests", "kvtune_kv_blocks"):
+        assert any(needed in e for e in exprs), needed
+
+
+def _template(*args: str) -> list[dict]:
+    helm = _helm()
+    out = subprocess.run([helm, "template", "t", str(CHART), "--namespace", "kvtune-system", *args],
+                         check=True, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache", "HELM_CONFIG_HOME": "/tmp/helm-cfg",
+                              "HELM_DATA_HOME": "/tmp/helm-data"}).stdout
+    return [d for d in yaml.safe_load_all(out) if d]
+
+
+@pytest.mark.skipif(_helm() is None, reason="helm is not installed (tests/controlplane/setup.sh installs it)")
+def test_helm_lint_and_template():
+    helm = _helm()
+    for extra in ([], ["--set", "grafanaDashboard.enabled=true", "--set", "watchNamespaces={a,b}"]):
+        res = subprocess.run([helm, "lint", "--strict", str(CHART), *extra], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache",
+                                  "HELM_CONFIG_HOME": "/tmp/helm-cfg", "HELM_DATA_HOME": "/tmp/helm-data"})
+        assert res.returncode == 0, res.stdout + res.stderr
+    docs = _template()
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert _rules_as_calls(role["rules"]) == API_CALLS
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    assert c["image"] == "kvtune/kvtune-operator:0.1.0"
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["KVTUNE_ENGINE_IMAGE"] == "kvtune/kvtune-engine:0.1.0" and env["KVTUNE_NAMESPACES"] == ""
+    settings = Settings.from_env(env)
+    assert settings.clusterwide and settings.liveness == "http://0.0.0.0:8080/healthz"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    scoped = _template("--set", "watchNamespaces={a,b}", "--set", "grafanaDashboard.enabled=true")
+    kinds = sorted(d["kind"] for d in scoped)
+    assert kinds == ["ConfigMap", "Deployment", "Role", "Role", "RoleBinding", "RoleBinding", "ServiceAccount"]
+    assert sorted(d["metadata"]["namespace"] for d in scoped if d["kind"] == "Role") == ["a", "b"]
+    dash = next(d for d in scoped if d["kind"] == "ConfigMap")
+    assert json.loads(dash["data"]["kvtune-engine.json"])["uid"] == "kvtune-engine"
+    env = {e["name"]: e["value"] for e in next(d for d in scoped if d["kind"] == "Deployment")[
+        "spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert Settings.from_env(env).namespaces == ("a", "b")
