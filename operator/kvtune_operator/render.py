@@ -105,6 +105,8 @@ def engine_args(infd: InferenceDeployment) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(PORT),
         "--config-file", CONFIG_FILE,
+        # The engine defaults to CPU; pods with GPUs run it on CUDA. extraArgs come last and win.
+        "--device", "cuda" if spec.resources.gpus else "cpu",
         *(spec.extra_args or []),
     ]
 

@@ -68,7 +68,8 @@ def test_deployment_contract_with_the_engine():
     c = pod["spec"]["containers"][0]
     assert c["command"] == ["kvtune", "serve"]
     assert c["args"] == ["--model", "/models/qwen", "--served-model-name", "q", "--host", "0.0.0.0",
-                         "--port", "8000", "--config-file", "/etc/kvtune/engine.yaml", "--device", "cpu"]
+                         "--port", "8000", "--config-file", "/etc/kvtune/engine.yaml", "--device", "cuda",
+                         "--device", "cpu"]
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
@@ -100,8 +101,8 @@ def test_gpu_and_memory_resources():
     dep = children(infd(resources={"gpus": 2, "memory": "48Gi", "cpu": "8"}))["Deployment"]
     res = dep["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert res == {"limits": {"nvidia.com/gpu": 2, "memory": "48Gi"}, "requests": {"memory": "48Gi", "cpu": "8"}}
-    cpu_only = children(infd(resources={"gpus": 0}))["Deployment"]
-    assert cpu_only["spec"]["template"]["spec"]["containers"][0]["resources"] == {}
+    cpu_only = children(infd(resources={"gpus": 0}))["Deployment"]["spec"]["template"]["spec"]["containers"][0]
+    assert cpu_only["resources"] == {} and cpu_only["args"][-2:] == ["--device", "cpu"]
 
 
 def test_model_from_pvc_or_hostpath():
