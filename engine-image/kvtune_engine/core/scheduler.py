@@ -32,6 +32,13 @@ class RequestRejected(ValueError):
     """The request can never be scheduled under this engine's limits; the message says which."""
 
 
+class _Seq(ScheduledSeq):
+    """A running request's batch entry, kept and reused from step to step (so a Batch is valid
+    until the update() that consumes it). Between steps start_pos == request.num_computed_tokens
+    and total == request.num_tokens; stop_at is the total at which it ends by length."""
+    __slots__ = ("total", "stop_at", "stops", "plen")
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, num_blocks: int, num_swap_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -39,12 +46,13 @@ class Scheduler:
         self.block_size = config.block_size
         self.kv = KVManager(num_blocks, config.block_size, num_swap_blocks)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self._run: list[_Seq] = []                    # running requests, oldest first
         self.swapped: deque[Request] = deque()
         self.requests: dict[str, Request] = {}       # unfinished, by id
         self.stats = SchedulerStats()
         self.computed_tokens = 0                      # sum of num_computed over device-resident requests
         self._done_early: list[Request] = []          # finished inside schedule(); returned by update()
+        self._preempted = False                       # a preemption happened in this schedule()
         self._apply(config)
 
     def _apply(self, config: EngineConfig) -> None:
@@ -73,8 +81,16 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
+    @property
+    def running(self) -> list[Request]:
+        return [s.request for s in self._run]
+
+    @property
+    def num_running(self) -> int:
+        return len(self._run)
+
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self._run or self.swapped)
 
     def abort(self, request_id: str) -> Request | None:
         return self.finish(request_id, FinishReason.ABORT)
@@ -85,7 +101,7 @@ class Scheduler:
         if req is None:
             return None
         if req.status is RUNNING:
-            self.running.remove(req)
+            self._run = [s for s in self._run if s.request is not req]
         elif req.status is SWAPPED:
             self.swapped.remove(req)
         else:
@@ -120,52 +136,48 @@ class Scheduler:
     def schedule(self, now: float) -> Batch:
         seqs: list[ScheduledSeq] = []
         batch = Batch(seqs=seqs)
-        if not (self.running or self.waiting or self.swapped):
+        if not (self._run or self.waiting or self.swapped):
             return batch
         cfg, bs, kv = self.config, self.block_size, self.kv
-        pool, tables = kv.pool, kv.tables
+        pool = kv.pool
         chunked = cfg.enable_chunked_prefill
         budget = cfg.max_num_batched_tokens
-        running = self.running
-        preempted = False
+        run = self._run
+        self._preempted = False
         ctx = 0
 
-        # 1. running requests
-        i = 0
-        while i < len(running) and budget:
-            req = running[i]
-            computed = req.num_computed_tokens
-            total = len(req.prompt_token_ids) + len(req.output_token_ids)
-            n = total - computed
-            if n > budget:
+        # 1. running requests: decodes and prefill chunks. Preemption pops from the end of `run`
+        #    (or pops the current entry when it is the last), so plain iteration stays valid.
+        append = seqs.append
+        for seq in run:
+            start = seq.start_pos
+            n = seq.total - start
+            if n == 1 and budget:                                  # a decode: the common case
+                if start >= len(seq.block_table) * bs and not self._grow(seq, 1, batch, now):
+                    break
+                seq.num_tokens = 1
+                seq.sample = True
+                append(seq)
+                budget -= 1
+                ctx += start + 1
+                continue
+            if not budget:
+                break
+            if n > budget:                                         # a prefill chunk
                 if not chunked:
-                    i += 1
                     continue
                 n = budget
-            table = tables[req]
-            need = (computed + n + bs - 1) // bs - len(table)
-            if need > 0:
-                while need > pool.num_allocatable and len(running) > i + 1:
-                    self._preempt(running.pop(), batch)
-                    preempted = True
-                if need > pool.num_allocatable:
-                    running.pop(i)
-                    if i == 0:   # alone and still too big: the cache cannot hold it
-                        req.error = (f"KV cache full: {total} tokens need more than the "
-                                     f"{self.num_blocks} blocks of {bs} tokens")
-                        self.stats.cache_limit_finishes += 1
-                        self._release(req, FinishReason.LENGTH, now)
-                        self._done_early.append(req)
-                    else:
-                        self._preempt(req, batch)
-                        preempted = True
-                    continue
-                kv.grow(table, need)
-            seqs.append(ScheduledSeq(req, computed, n, table, computed + n == total))
+            table = seq.block_table
+            if start + n > len(table) * bs and not self._grow(seq, (start + n + bs - 1) // bs - len(table),
+                                                               batch, now):
+                break
+            seq.num_tokens = n
+            seq.sample = start + n == seq.total
+            append(seq)
             budget -= n
             if n == 1:
-                ctx += total
-            i += 1
+                ctx += start + 1
+        preempted = self._preempted
 
         # 2. swapped requests, then 3. waiting requests
         cause = "none"
@@ -182,6 +194,41 @@ class Scheduler:
         self.stats.scheduled_tokens += batch.num_batched_tokens
         return batch
 
+    def _grow(self, seq: _Seq, need: int, batch: Batch, now: float) -> bool:
+        """Give a running request `need` more blocks, preempting the newest running requests
+        (never ones already scheduled this step) until they fit. False when `seq` itself had to
+        go: preempted, or finished because even alone it outgrows the whole cache."""
+        run, pool = self._run, self.kv.pool
+        while need > pool.num_allocatable and run[-1] is not seq:
+            self._preempt(run.pop().request, batch)
+            self._preempted = True
+        if need <= pool.num_allocatable:
+            self.kv.grow(seq.block_table, need)
+            return True
+        run.pop()                        # `seq` itself, now the newest running request
+        req = seq.request
+        if run:
+            self._preempt(req, batch)
+        else:                            # alone and still too big: the cache cannot hold it
+            req.error = (f"KV cache full: {seq.total} tokens need more than the "
+                         f"{self.num_blocks} blocks of {self.block_size} tokens")
+            self.stats.cache_limit_finishes += 1
+            self._release(req, FinishReason.LENGTH, now)
+            self._done_early.append(req)
+        return False
+
+    def _new_seq(self, req: Request, table: list[int], computed: int) -> _Seq:
+        seq = _Seq(req, computed, 0, table, False)
+        plen = seq.plen = len(req.prompt_token_ids)
+        seq.total = plen + len(req.output_token_ids)
+        sp = req.sampling
+        seq.stop_at = min(plen + sp.max_tokens, self.config.max_model_len)
+        stops = set(sp.stop_token_ids)
+        if req.eos_token_id is not None and not sp.ignore_eos:
+            stops.add(req.eos_token_id)
+        seq.stops = stops or None
+        return seq
+
     def head_need(self, req: Request, swapped: bool) -> tuple[list[int], int, int, int]:
         """What the queue head would take now: (prefix-hit blocks, computed tokens, tokens left to
         compute, allocatable blocks it consumes)."""
@@ -197,12 +244,12 @@ class Scheduler:
 
     def _admit(self, queue: deque, swapped: bool, now: float, batch: Batch, budget: int, ctx: int):
         cfg, bs, kv = self.config, self.block_size, self.kv
-        pool, running = kv.pool, self.running
+        pool, run = kv.pool, self._run
         max_seqs, chunked = cfg.max_num_seqs, cfg.enable_chunked_prefill
         caching = cfg.enable_prefix_caching
         while queue:
             req = queue[0]
-            if len(running) >= max_seqs:
+            if len(run) >= max_seqs:
                 return "max_num_seqs", budget, ctx
             if budget <= 0:
                 return "token_budget", budget, ctx
@@ -224,7 +271,7 @@ class Scheduler:
             avail = pool.num_allocatable
             if take > avail:
                 return "kv_blocks", budget, ctx
-            if running and take > avail - self.reserve_blocks:
+            if run and take > avail - self.reserve_blocks:
                 return "watermark", budget, ctx
             queue.popleft()
             if swapped:
@@ -244,8 +291,11 @@ class Scheduler:
                     req.first_scheduled_s = now
             self.computed_tokens += computed
             req.status = RUNNING
-            running.append(req)
-            batch.seqs.append(ScheduledSeq(req, computed, n, table, computed + n == total))
+            seq = self._new_seq(req, table, computed)
+            seq.num_tokens = n
+            seq.sample = computed + n == total
+            run.append(seq)
+            batch.seqs.append(seq)
             budget -= n
             if n == 1:
                 ctx += total
@@ -271,38 +321,40 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the runner
     def update(self, batch: Batch, out: StepOutput, now: float) -> list[Request]:
-        """Apply a step's results; returns the requests that finished in this step."""
+        """Apply a step's results; returns the requests that finished in this step (including any
+        the scheduler had to end inside schedule())."""
         finished, self._done_early = self._done_early, []
         kv = self.kv
         caching = self.config.enable_prefix_caching
-        max_len = self.config.max_model_len
+        running = RUNNING
         self.computed_tokens += batch.num_batched_tokens
         for seq, tok in zip(batch.seqs, out.tokens):
             req = seq.request
-            if req.status is not RUNNING:        # finished or aborted while the step ran
+            if req.status is not running:        # finished or aborted while the step ran
                 self.computed_tokens -= seq.num_tokens
                 continue
-            computed = req.num_computed_tokens = seq.start_pos + seq.num_tokens
-            if caching and seq.start_pos < len(req.prompt_token_ids):
-                kv.commit(req, computed)
-            if tok is None:
+            start = seq.start_pos
+            end = seq.start_pos = req.num_computed_tokens = start + seq.num_tokens
+            if caching and start < seq.plen:
+                kv.commit(req, end)
+            if tok is None:                       # a prefill chunk that does not end the prompt
                 continue
             out_ids = req.output_token_ids
-            out_ids.append(tok)
-            if req.first_token_s is None:
+            if not out_ids:
                 req.first_token_s = now
+            out_ids.append(tok)
             req.last_token_s = now
-            sp = req.sampling
-            if len(out_ids) >= sp.max_tokens or len(req.prompt_token_ids) + len(out_ids) >= max_len:
+            total = seq.total = seq.total + 1
+            if total >= seq.stop_at:
                 reason = FinishReason.LENGTH
-            elif (tok == req.eos_token_id and not sp.ignore_eos) or tok in sp.stop_token_ids:
+            elif seq.stops is not None and tok in seq.stops:
                 reason = FinishReason.STOP
             else:
                 continue
             self._release(req, reason, now)
             finished.append(req)
         if finished:
-            self.running = [r for r in self.running if r.status is RUNNING]
+            self._run = [s for s in self._run if s.request.status is RUNNING]
         return finished
 
     # ------------------------------------------------------------------ what it reports
@@ -350,7 +402,7 @@ class Scheduler:
             "num_swap_blocks": self.num_swap_blocks,
             "blocks": self.block_counts(),
             "allocatable_blocks": max(0, pool.num_allocatable - self.reserve_blocks),
-            "queues": {"running": len(self.running), "waiting": len(self.waiting),
+            "queues": {"running": len(self._run), "waiting": len(self.waiting),
                        "swapped": len(self.swapped)},
             "head": head,
             "waiting_cause": self.stats.last_cause,
@@ -362,14 +414,18 @@ class Scheduler:
 
     def check(self) -> None:
         """All invariants (tests)."""
-        ids = [r.request_id for q in (self.running, self.waiting, self.swapped) for r in q]
+        running = self.running
+        ids = [r.request_id for q in (running, self.waiting, self.swapped) for r in q]
         assert len(ids) == len(set(ids)) == len(self.requests), "a request is in two queues or none"
-        for r in self.running:
+        for s in self._run:
+            r = s.request
             assert r.status is RUNNING
+            assert s.start_pos == r.num_computed_tokens and s.total == r.num_tokens, "stale batch entry"
+            assert s.block_table is self.kv.tables[r], "batch entry and KV manager disagree on the table"
         for r in self.waiting:
             assert r.status is WAITING and r not in self.kv.tables and r not in self.kv.host_tables
         for r in self.swapped:
             assert r.status is SWAPPED and r in self.kv.host_tables
-        assert set(self.kv.tables) == set(self.running)
-        assert self.computed_tokens == sum(r.num_computed_tokens for r in self.running)
-        self.kv.check({r: r.num_computed_tokens for r in (*self.running, *self.swapped)})
+        assert set(self.kv.tables) == set(running)
+        assert self.computed_tokens == sum(r.num_computed_tokens for r in running)
+        self.kv.check({r: r.num_computed_tokens for r in (*running, *self.swapped)})

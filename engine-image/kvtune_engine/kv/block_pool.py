@@ -59,6 +59,10 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         """n blocks with ref 1, whatever their ids. Free blocks first, then evict idle cached ones."""
         free = self._free
+        if n == 1 and free:                   # the common case: a decode crossing into a new block
+            b = free.pop()
+            self.ref[b] = 1
+            return [b]
         if n <= len(free):
             if n == 0:
                 return []

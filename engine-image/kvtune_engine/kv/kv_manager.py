@@ -27,7 +27,7 @@ def block_keys(token_ids: list[int], block_size: int) -> list[bytes]:
     n = len(token_ids) // block_size
     if n == 0:
         return []
-    data = array("i", token_ids[:n * block_size]).tobytes()
+    data = array("i", token_ids).tobytes()
     step = 4 * block_size
     keys = []
     parent = _ROOT
@@ -81,9 +81,13 @@ class KVManager:
         upto = min(num_computed // self.block_size, len(keys), len(table))
         start = self._published.get(req, 0)
         if upto > start:
-            register = self.pool.register
-            for i in range(start, upto):
-                register(table[i], keys[i])
+            pool = self.pool
+            cached, key_of = pool.cached, pool.key_of
+            for i in range(start, upto):      # BlockPool.register, inlined: this runs per prompt block
+                k, b = keys[i], table[i]
+                if k not in cached and key_of[b] is None:
+                    cached[k] = b
+                    key_of[b] = k
             self._published[req] = upto
 
     def clear_cache(self) -> None:

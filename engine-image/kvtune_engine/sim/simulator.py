@@ -156,7 +156,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
             empty = kv.num_table_blocks * bs - sched.computed_tokens - batch.num_batched_tokens
             acc.frag += empty / (used * bs) * dt
         acc.shared += pool.num_shared * dt
-        nr = len(sched.running)
+        nr = sched.num_running
         acc.running += nr * dt
         if nr > acc.running_max:
             acc.running_max = nr
