@@ -27,7 +27,7 @@ def make_cache(lens, hk, d, bs, seed=0, extra_blocks=3):
     nbs = [-(-n // bs) for n in lens]
     total = sum(nbs) + extra_blocks
     perm = torch.randperm(total, generator=g).tolist()
-    cache = torch.zeros(2, hk, total, bs, d)
+    kc, vc = torch.zeros(total, hk, bs, d), torch.zeros(total, hk, bs, d)
     tables, dense, i = [], [], 0
     for n, nb in zip(lens, nbs):
         bt = perm[i:i + nb]
@@ -35,12 +35,12 @@ def make_cache(lens, hk, d, bs, seed=0, extra_blocks=3):
         k = torch.randn(n, hk, d, generator=g)
         v = torch.randn(n, hk, d, generator=g)
         slots = torch.tensor([bt[p // bs] * bs + p % bs for p in range(n)])
-        write_kv(cache, k, v, slots)
+        write_kv(kc, vc, k, v, AttentionMetadata(bs, slots))
         tables.append(bt)
         dense.append((k, v))
     width = max(nbs)
     bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64)
-    return cache, bt, dense
+    return kc, vc, bt, dense
 
 
 def dense_attention(q, k, v, q_pos, scale):
@@ -58,10 +58,10 @@ def dense_attention(q, k, v, q_pos, scale):
 @pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2)])
 def test_decode_reference_matches_dense(bs, hq, hk):
     d, lens = 16, [1, 7, bs, bs + 1, 3 * bs - 2, 70]
-    cache, bt, dense = make_cache(lens, hk, d, bs, seed=bs + hq)
+    kc, vc, bt, dense = make_cache(lens, hk, d, bs, seed=bs + hq)
     q = torch.randn(len(lens), hq, d)
     scale = 1 / math.sqrt(d)
-    out = paged_decode_reference(q, cache, bt, lens, scale, bucket=4)  # several buckets, sorted
+    out = paged_decode_reference(q, kc, vc, bt, lens, scale, bucket=4)  # several buckets, sorted
     for i, (n, (k, v)) in enumerate(zip(lens, dense)):
         ref = dense_attention(q[i:i + 1], k, v, [n - 1], scale)
         torch.testing.assert_close(out[i:i + 1].double(), ref, atol=ATOL, rtol=0)
@@ -74,7 +74,7 @@ def test_mixed_step_prefix_chunk_and_decode(bs):
     scale = 1 / math.sqrt(d)
     lens = [5, 2 * bs + 3, 9, bs + 11]  # decode, decode, fresh prompt (start 0), chunk with start_pos
     starts = [4, 2 * bs + 2, 0, bs - 3]
-    cache, bt, dense = make_cache(lens, hk, d, bs, seed=bs)
+    kc, vc, bt, dense = make_cache(lens, hk, d, bs, seed=bs)
     q_all, k_all, v_all, q_pos = [], [], [], []
     for n, s0, (k, v) in zip(lens, starts, dense):
         q_all.append(torch.randn(n - s0, hq, d))
@@ -86,7 +86,7 @@ def test_mixed_step_prefix_chunk_and_decode(bs):
         block_size=bs, slot_mapping=None, num_decodes=2, decode_block_tables=bt[:2],
         decode_context_lens=torch.tensor(lens[:2], dtype=torch.int32), decode_context_lens_list=lens[:2],
         prefills=[PrefillChunk(2, lens[2], 0, bt[2]), PrefillChunk(2 + lens[2], lens[3] - starts[3], starts[3], bt[3])])
-    out = paged_attention(q, k, v, cache, meta, scale)
+    out = paged_attention(q, k, v, kc, vc, meta, scale)
     off = 0
     for i, (n, (kd, vd)) in enumerate(zip(lens, dense)):
         m = n - starts[i]
@@ -97,9 +97,9 @@ def test_mixed_step_prefix_chunk_and_decode(bs):
 
 def test_decode_bf16_close_to_float64():
     bs, hq, hk, d, lens = 16, 4, 2, 64, [3, 40, 100]
-    cache, bt, dense = make_cache(lens, hk, d, bs, seed=3)
+    kc, vc, bt, dense = make_cache(lens, hk, d, bs, seed=3)
     q = torch.randn(len(lens), hq, d)
-    out = paged_decode_reference(q.bfloat16(), cache.bfloat16(), bt, lens, 1 / 8)
+    out = paged_decode_reference(q.bfloat16(), kc.bfloat16(), vc.bfloat16(), bt, lens, 1 / 8)
     for i, (n, (k, v)) in enumerate(zip(lens, dense)):
         ref = dense_attention(q[i:i + 1], k, v, [n - 1], 1 / 8)
         torch.testing.assert_close(out[i:i + 1].double(), ref, atol=3e-2, rtol=0)  # bf16: 8 mantissa bits

@@ -31,19 +31,19 @@ def run_cases() -> None:
     for bs in (8, 16, 32, 64, 128):
         for hq, hk, d in ((4, 4, 32), (8, 2, 64), (6, 3, 24)):
             lens = [1, bs - 1, bs, 2 * bs + 5, 37]
-            cache, bt, _ = make_cache(lens, hk, d, bs, seed=bs * hq + d)
+            kc, vc, bt, _ = make_cache(lens, hk, d, bs, seed=bs * hq + d)
             q = torch.randn(len(lens), hq, d)
             scale = 1 / math.sqrt(d)
-            ref = paged_decode_reference(q, cache, bt, lens, scale)
-            out = paged_decode_triton(q, cache, bt, torch.tensor(lens, dtype=torch.int32), scale)
+            ref = paged_decode_reference(q, kc, vc, bt, lens, scale)
+            out = paged_decode_triton(q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), scale)
             torch.testing.assert_close(out, ref, atol=TRITON_ATOL, rtol=0,
                                        msg=lambda m: f"bs={bs} hq={hq} hk={hk} d={d}: {m}")
             n += 1
     # bf16 cache and queries: same kernel, float32 accumulation
-    cache, bt, _ = make_cache([5, 40], 2, 64, 16, seed=1)
-    q = torch.randn(2, 4, 64)
-    ref = paged_decode_reference(q.bfloat16(), cache.bfloat16(), bt, [5, 40], 0.125)
-    out = paged_decode_triton(q.bfloat16(), cache.bfloat16(), bt, torch.tensor([5, 40]), 0.125)
+    kc, vc, bt, _ = make_cache([5, 40], 2, 64, 16, seed=1)
+    kc, vc, q = kc.bfloat16(), vc.bfloat16(), torch.randn(2, 4, 64).bfloat16()
+    ref = paged_decode_reference(q, kc, vc, bt, [5, 40], 0.125)
+    out = paged_decode_triton(q, kc, vc, bt, torch.tensor([5, 40]), 0.125)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
     print(f"ok {n + 1} cases")
 

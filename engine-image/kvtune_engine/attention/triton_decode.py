@@ -23,9 +23,9 @@ def available() -> bool:
 if triton is not None:
     @triton.jit
     def _paged_decode_kernel(
-        out_ptr, q_ptr, kv_ptr, bt_ptr, lens_ptr, scale,
+        out_ptr, q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, scale,
         stride_qn, stride_qh, stride_on, stride_oh,
-        stride_kv, stride_kh, stride_kb, stride_bt,
+        stride_kb, stride_kh, stride_bt,
         GROUP: tl.constexpr, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, D_P: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -39,8 +39,8 @@ if triton is not None:
         m_i = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
         l_i = tl.sum(tl.zeros([BLOCK], tl.float32), axis=0)
         acc = tl.zeros([D_P], tl.float32)
-        k_base = kv_ptr + kvh * stride_kh
-        v_base = kv_ptr + stride_kv + kvh * stride_kh
+        k_base = k_ptr + kvh * stride_kh
+        v_base = v_ptr + kvh * stride_kh
         for b in range(0, (ctx + BLOCK - 1) // BLOCK):
             blk = tl.load(bt_ptr + seq * stride_bt + b).to(tl.int64)
             pmask = (b * BLOCK + offs) < ctx
@@ -60,24 +60,25 @@ if triton is not None:
         tl.store(out_ptr + seq * stride_on + head * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
 
 
-def paged_decode_triton(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [N, q_heads, d]; kv_cache [2, kv_heads, num_blocks, bs, d]; block_tables [N, max_blocks];
+def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [N, q_heads, d]; k/v cache [num_blocks, kv_heads, bs, d]; block_tables [N, max_blocks];
     context_lens [N] (>= 1) -> [N, q_heads, d]."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     n, hq, d = q.shape
-    _, hk, _, bs, _ = kv_cache.shape
-    assert kv_cache.is_contiguous() or kv_cache.stride(-1) == 1 and kv_cache.stride(-2) == d
+    _, hk, bs, _ = k_cache.shape
+    for c in (k_cache, v_cache):  # tiles must be contiguous; block and head strides are passed
+        assert c.stride(-1) == 1 and c.stride(-2) == d and c.stride() == k_cache.stride()
     q = q.contiguous()
     out = torch.empty_like(q)
     if n == 0:
         return out
     block_tables = block_tables.contiguous()
     _paged_decode_kernel[(n, hq)](
-        out, q, kv_cache, block_tables, context_lens.to(torch.int32).contiguous(), float(scale),
+        out, q, k_cache, v_cache, block_tables, context_lens.to(torch.int32).contiguous(), float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), block_tables.stride(0),
+        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         GROUP=hq // hk, BLOCK=bs, HEAD_DIM=d, D_P=triton.next_power_of_2(d),
     )
     return out

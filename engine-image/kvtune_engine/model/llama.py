@@ -61,8 +61,9 @@ class DecoderLayer(nn.Module):
         self.k_norm = RMSNorm(w["k_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor | None,
-                meta: AttentionMetadata, decode_fn=None) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
+                decode_fn=None) -> torch.Tensor:
         c = self.cfg
         t = h.shape[0]
         qkv = F.linear(self.input_norm(h), self.qkv_w, self.qkv_b)
@@ -73,9 +74,10 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None and meta.slot_mapping is not None:
-            write_kv(kv_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale, decode_fn)
+        kc, vc = kv_cache if kv_cache is not None else (None, None)
+        if kc is not None and meta.slot_mapping is not None:
+            write_kv(kc, vc, k, v, meta)
+        o = paged_attention(q, k, v, kc, vc, meta, self.scale, decode_fn)
         h = h + F.linear(o.view(t, c.q_size), self.o_w, self.o_b)
         gate, up = F.linear(self.post_norm(h), self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)
         return h + F.linear(F.silu(gate) * up, self.down_w, self.down_b)
@@ -103,8 +105,9 @@ class CausalLM(nn.Module):
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor] | None,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None, meta: AttentionMetadata) -> torch.Tensor:
+        """kv_caches[layer] = (K, V), each [num_blocks, kv_heads, block_size, head_dim]."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):
