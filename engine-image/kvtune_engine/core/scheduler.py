@@ -33,10 +33,11 @@ class RequestRejected(ValueError):
 
 
 class _Seq(ScheduledSeq):
-    """A running request's batch entry, kept and reused from step to step (so a Batch is valid
-    until the update() that consumes it). Between steps start_pos == request.num_computed_tokens
-    and total == request.num_tokens; stop_at is the total at which it ends by length."""
-    __slots__ = ("total", "stop_at", "stops", "plen")
+    """A running request's batch entry, kept and reused from step to step: a Batch's entries
+    keep what was scheduled until the next schedule(). Between steps computed ==
+    request.num_computed_tokens and total == request.num_tokens; stop_at is the total at which
+    the request ends by length; stops the token ids that end it (None: none)."""
+    __slots__ = ("computed", "total", "stop_at", "stops", "plen")
 
 
 class Scheduler:
@@ -150,11 +151,12 @@ class Scheduler:
         #    (or pops the current entry when it is the last), so plain iteration stays valid.
         append = seqs.append
         for seq in run:
-            start = seq.start_pos
+            start = seq.computed
             n = seq.total - start
             if n == 1 and budget:                                  # a decode: the common case
                 if start >= len(seq.block_table) * bs and not self._grow(seq, 1, batch, now):
                     break
+                seq.start_pos = start
                 seq.num_tokens = 1
                 seq.sample = True
                 append(seq)
@@ -171,6 +173,7 @@ class Scheduler:
             if start + n > len(table) * bs and not self._grow(seq, (start + n + bs - 1) // bs - len(table),
                                                                batch, now):
                 break
+            seq.start_pos = start
             seq.num_tokens = n
             seq.sample = start + n == seq.total
             append(seq)
@@ -219,6 +222,7 @@ class Scheduler:
 
     def _new_seq(self, req: Request, table: list[int], computed: int) -> _Seq:
         seq = _Seq(req, computed, 0, table, False)
+        seq.computed = computed
         plen = seq.plen = len(req.prompt_token_ids)
         seq.total = plen + len(req.output_token_ids)
         sp = req.sampling
@@ -334,7 +338,7 @@ class Scheduler:
                 self.computed_tokens -= seq.num_tokens
                 continue
             start = seq.start_pos
-            end = seq.start_pos = req.num_computed_tokens = start + seq.num_tokens
+            end = seq.computed = req.num_computed_tokens = start + seq.num_tokens
             if caching and start < seq.plen:
                 kv.commit(req, end)
             if tok is None:                       # a prefill chunk that does not end the prompt
@@ -420,7 +424,7 @@ class Scheduler:
         for s in self._run:
             r = s.request
             assert r.status is RUNNING
-            assert s.start_pos == r.num_computed_tokens and s.total == r.num_tokens, "stale batch entry"
+            assert s.computed == r.num_computed_tokens and s.total == r.num_tokens, "stale batch entry"
             assert s.block_table is self.kv.tables[r], "batch entry and KV manager disagree on the table"
         for r in self.waiting:
             assert r.status is WAITING and r not in self.kv.tables and r not in self.kv.host_tables
