@@ -1,0 +1,477 @@
+"""The operator against the real control plane (issue 4, section 5).
+
+The operator runs as a subprocess (`kvtune operator run`) watching only this module's namespaces,
+so it never touches objects of other tests sharing the session's cluster. Without the pod node,
+kwok marks the engine pods Running/Ready and nothing runs in them; `test_engine_pod_applies_live_knobs`
+uses the pod node to run a real engine on a tiny model.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_NAME = "inferencedeployments.kvtune.io"
+SELECTOR = "app.kubernetes.io/instance={},app.kubernetes.io/name=kvtune-engine"
+
+
+def eventually(fn, timeout: float = 60, interval: float = 0.25, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        try:
+            last = fn()
+            if last:
+                return last
+        except Exception as e:  # noqa: BLE001 - retried until the deadline
+            last = e
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class OperatorProcess:
+    """`kvtune operator run` as a subprocess, with its log in a file."""
+
+    def __init__(self, env: dict[str, str], namespaces: list[str], log_path: Path, kubeconfig: str | None = None):
+        self.env, self.namespaces, self.log_path, self.kubeconfig = env, namespaces, log_path, kubeconfig
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "OperatorProcess":
+        exe = Path(sys.executable).with_name("kvtune")
+        argv = [str(exe), "operator", "run", *sum((["--namespace", n] for n in self.namespaces), [])]
+        if self.kubeconfig:
+            argv += ["--kubeconfig", self.kubeconfig]
+        env = {**self.env, "KVTUNE_STATUS_INTERVAL": "1", "KVTUNE_RETRY_BACKOFF": "1",
+               "KVTUNE_LIVENESS": f"http://127.0.0.1:{self.port}/healthz",
+               "KVTUNE_ENGINE_IMAGE": "kvtune/kvtune-engine:test", "PYTHONUNBUFFERED": "1"}
+        if self.kubeconfig:
+            env["KUBECONFIG"] = self.kubeconfig
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(argv, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        eventually(self.healthy, timeout=60, what="the operator's liveness endpoint")
+        return self
+
+    def healthy(self) -> bool:
+        assert self.proc is not None and self.proc.poll() is None, f"operator exited:\n{self.tail()}"
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2) as r:
+            return r.status == 200 and "uptime_seconds" in json.loads(r.read())
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self.proc = None
+
+    def tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+# -- fixtures ---------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def crd(controlplane):
+    controlplane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
+    controlplane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    eventually(lambda: controlplane.kubectl("get", "infd", "-A", check=False).returncode == 0,
+               what="kubectl to discover infd")
+    # the OpenAPI document (kubectl explain) is published a moment after the CRD is established
+    eventually(lambda: controlplane.kubectl("explain", "infd.spec.engine", check=False).returncode == 0,
+               what="the CRD's OpenAPI schema to be published")
+    return CRD_NAME
+
+
+def _make_namespace(controlplane, prefix: str) -> str:
+    name = f"{prefix}-{uuid.uuid4().hex[:6]}"
+    controlplane.kubectl("create", "namespace", name)
+    eventually(lambda: controlplane.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
+               what="the default ServiceAccount")
+    return name
+
+
+@pytest.fixture(scope="module")
+def opns(controlplane, crd):
+    """The namespace this module's operator watches."""
+    name = _make_namespace(controlplane, "op")
+    yield name
+    controlplane.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(controlplane, crd, opns, tmp_path_factory):
+    op = OperatorProcess(controlplane.subprocess_env(), [opns], tmp_path_factory.mktemp("operator") / "operator.log")
+    op.start()
+    yield op
+    op.stop()
+    sys.stderr.write(f"\n[operator log tail]\n{op.tail(30)}\n")
+
+
+def infd_yaml(name: str, **spec) -> str:
+    body = {"apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
+            "spec": {"model": {"path": "/models/tiny"}, **spec}}
+    return yaml.safe_dump(body)
+
+
+def get(controlplane, kind: str, name: str, ns: str) -> dict:
+    return controlplane.kubectl_json("get", kind, name, "-n", ns, "-o", "json")
+
+
+def condition(obj: dict, type_: str) -> dict:
+    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
+
+
+def wait_ready(controlplane, name: str, ns: str, operator: OperatorProcess, replicas: str = "1/1") -> dict:
+    def ready():
+        obj = get(controlplane, "infd", name, ns)
+        st = obj.get("status") or {}
+        ok = condition(obj, "Ready").get("status") == "True" and st.get("replicaSummary") == replicas \
+            and st.get("observedGeneration") == obj["metadata"]["generation"]
+        return obj if ok else None
+    try:
+        return eventually(ready, timeout=90, what=f"{name} Ready {replicas}")
+    except AssertionError:
+        raise AssertionError(f"{name} never got Ready; operator log:\n{operator.tail()}") from None
+
+
+def children(controlplane, name: str, ns: str) -> dict[str, list[dict]]:
+    out = {}
+    for kind in ("deployments", "configmaps", "services"):
+        items = controlplane.kubectl_json("get", kind, "-n", ns, "-l", f"kvtune.io/inference-deployment={name}",
+                                          "-o", "json")["items"]
+        out[kind] = items
+    return out
+
+
+# -- the resource, without the operator --------------------------------------------------------------
+
+def test_crd_is_discoverable_and_explained(controlplane, crd):
+    res = controlplane.kubectl("api-resources", "--api-group=kvtune.io", "-o", "wide").stdout
+    assert "inferencedeployments" in res and "infd" in res and "kvtune" in res
+    explain = controlplane.kubectl("explain", "inferencedeployment.spec.engine").stdout
+    for text in ("Token slots per KV-cache block", "maxNumSeqs", "gpuMemoryUtilization", "vLLM flag --block-size",
+                 "restarts the engine pods"):
+        assert text in explain, text
+    autotune = controlplane.kubectl("explain", "infd.spec.autotune.mode").stdout
+    assert "Recommend" in autotune and "Apply" in autotune
+    status = controlplane.kubectl("explain", "infd.status.diagnosis").stdout
+    assert "waiting cause" in status
+
+
+BAD = [
+    ({"engine": {"blockSize": 24}}, ["spec.engine.blockSize", "Unsupported value: 24", '"8", "16", "32", "64", "128"']),
+    ({"engine": {"gpuMemoryUtilization": 0.99}}, ["spec.engine.gpuMemoryUtilization", "less than or equal to 0.98"]),
+    ({"engine": {"maxNumSeqs": 0}}, ["spec.engine.maxNumSeqs", "greater than or equal to 1"]),
+    ({"engine": {"swapSpaceGiB": -1}}, ["spec.engine.swapSpaceGiB", "greater than or equal to 0"]),
+    ({"autotune": {"mode": "Auto"}}, ["spec.autotune.mode", '"Off", "Recommend", "Apply"']),
+    ({"engine": {"maxNumSeqs": 16}, "autotune": {"bounds": {"maxNumSeqs": {"min": 32, "max": 512}}}},
+     ["spec.engine.maxNumSeqs", "must lie inside autotune.bounds.maxNumSeqs"]),
+    ({"autotune": {"bounds": {"maxNumSeqs": {"min": 600, "max": 512}}}},
+     ["spec.autotune.bounds.maxNumSeqs", "min must not be greater than max"]),
+    ({"engine": {"blockSize": 64}, "autotune": {"bounds": {"blockSize": [16, 32]}}},
+     ["spec.engine.blockSize", "must be one of autotune.bounds.blockSize"]),
+    ({"autotune": {"bounds": {"blockSize": [16, 24]}}}, ["spec.autotune.bounds.blockSize", "Unsupported value: 24"]),
+    ({"engine": {"enableChunkedPrefill": False, "maxNumBatchedTokens": 2048, "maxModelLen": 8192}},
+     ["spec.engine.maxNumBatchedTokens", "without chunked prefill"]),
+    ({"model": {"path": "/data/m", "volume": {"persistentVolumeClaim": {"claimName": "w"}}}},
+     ["spec.model.path", "must lie inside model.volume.mountPath"]),
+    ({"model": {"path": "/models/m", "volume": {}}}, ["set exactly one of persistentVolumeClaim or hostPath"]),
+    ({"model": {"path": "relative"}}, ["spec.model.path", "should match '^/'"]),
+    ({"autotune": {"interval": "soon"}}, ["spec.autotune.interval", "should match"]),
+]
+
+
+@pytest.mark.parametrize("spec,messages", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_invalid_objects_are_refused_with_their_messages(controlplane, opns, spec, messages):
+    body = infd_yaml("bad", **{"model": {"path": "/models/tiny"}, **spec})
+    res = controlplane.kubectl("create", "--dry-run=server", "-n", opns, "-f", "-", input=body, check=False)
+    assert res.returncode != 0, f"accepted: {spec}"
+    for m in messages:
+        assert m in res.stderr, f"{m!r} not in {res.stderr!r}"
+
+
+def test_bad_name_and_unquoted_off_are_refused(controlplane, opns):
+    res = controlplane.kubectl("create", "--dry-run=server", "-n", opns, "-f", "-", check=False,
+                               input=infd_yaml("9lives"))
+    assert res.returncode != 0 and "DNS-1035" in res.stderr
+    res = controlplane.kubectl("create", "--dry-run=server", "-n", opns, "-f", "-", check=False,
+                               input=infd_yaml("off").replace("spec:", "spec:\n  autotune: {mode: Off}"))
+    assert res.returncode != 0 and "spec.autotune.mode" in res.stderr
+
+
+def test_defaults_are_filled_by_the_apiserver(controlplane, opns):
+    obj = json.loads(controlplane.kubectl("create", "--dry-run=server", "-n", opns, "-o", "json", "-f", "-",
+                                          input=infd_yaml("defaults")).stdout)
+    assert obj["spec"]["engine"]["blockSize"] == 16 and obj["spec"]["engine"]["maxNumSeqs"] == 256
+    assert obj["spec"]["replicas"] == 1 and obj["spec"]["resources"]["gpus"] == 1
+    assert obj["spec"]["metrics"]["scrapeInterval"] == "15s"
+
+
+def test_examples_are_valid(controlplane, opns):
+    for example in sorted((ROOT / "examples").glob("*.yaml")):
+        controlplane.kubectl("apply", "--dry-run=server", "-n", opns, "-f", str(example))
+
+
+# -- with the operator --------------------------------------------------------------------------------
+
+def test_example_gets_owned_children_columns_conditions_and_events(controlplane, operator, opns):
+    controlplane.kubectl("apply", "-n", opns, "-f", str(ROOT / "examples" / "minimal.yaml"))
+    obj = wait_ready(controlplane, "tiny", opns, operator)
+    uid = obj["metadata"]["uid"]
+    kids = children(controlplane, "tiny", opns)
+    assert [len(kids[k]) for k in ("deployments", "configmaps", "services")] == [1, 1, 1]
+    for items in kids.values():
+        refs = items[0]["metadata"]["ownerReferences"]
+        assert refs == [{"apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment", "name": "tiny",
+                         "uid": uid, "controller": True, "blockOwnerDeletion": True}]
+    cm = kids["configmaps"][0]
+    assert yaml.safe_load(cm["data"]["engine.yaml"])["block_size"] == 16
+    dep = controlplane.kubectl_json("get", "deployment", "tiny", "-n", opns, "-o", "json", "--show-managed-fields")
+    applied = [m for m in dep["metadata"]["managedFields"] if m["manager"] == "kvtune-operator"]
+    assert applied and applied[0]["operation"] == "Apply"  # server-side apply with our field manager
+    st = obj["status"]
+    assert st["engine"]["blockSize"] == 16 and st["image"] == "kvtune/kvtune-engine:test"
+    assert st["selector"] == SELECTOR.format("tiny")
+    # kubectl get shows the columns (KV%, Waiting and Cause stay empty until the tuner diagnoses)
+    table = controlplane.kubectl("get", "infd", "tiny", "-n", opns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "READY", "REPLICAS", "BLOCK", "MEMUTIL", "KV%", "WAITING", "CAUSE",
+                                "TUNING", "AGE"]
+    assert table[1].split()[:6] == ["tiny", "True", "1/1", "16", "0.9", "Pending"]
+    wide = controlplane.kubectl("get", "infd", "tiny", "-n", opns, "-o", "wide").stdout.splitlines()
+    assert wide[0].split()[-3:] == ["MODE", "MAXSEQS", "DEGRADED"] and "Recommend" in wide[1]
+    assert "tiny" in controlplane.kubectl("get", "kvtune", "-n", opns).stdout  # the category
+    # kubectl describe tells the story: conditions and events
+    def described():
+        text = controlplane.kubectl("describe", "infd", "tiny", "-n", opns).stdout
+        wanted = ["Conditions:", "Ready", "Progressing", "MetricsAvailable", "Tuned", "Degraded", "AsExpected",
+                  "Created Deployment tiny", "Created ConfigMap tiny-engine", "Created Service tiny",
+                  "1/1 engine pods ready"]
+        return text if all(w in text for w in wanted) else None
+    eventually(described, timeout=30, what="describe to show conditions and events")
+
+
+def test_live_knob_changes_configmap_and_restart_knob_rolls(controlplane, operator, opns):
+    controlplane.kubectl("apply", "-n", opns, "-f", "-", input=infd_yaml("roll", engine={"maxNumSeqs": 64}))
+    obj = wait_ready(controlplane, "roll", opns, operator)
+    dep = get(controlplane, "deployment", "roll", opns)
+    gen, tmpl = dep["metadata"]["generation"], dep["spec"]["template"]
+    rs_before = {r["metadata"]["name"] for r in controlplane.kubectl_json(
+        "get", "rs", "-n", opns, "-l", SELECTOR.format("roll"), "-o", "json")["items"]}
+
+    controlplane.kubectl("patch", "infd", "roll", "-n", opns, "--type=merge", "-p",
+                         '{"spec":{"engine":{"maxNumSeqs":100}}}')
+    eventually(lambda: "max_num_seqs: 100" in get(controlplane, "configmap", "roll-engine", opns)["data"]["engine.yaml"],
+               what="the ConfigMap to carry maxNumSeqs 100")
+    eventually(lambda: get(controlplane, "infd", "roll", opns)["status"]["engine"]["maxNumSeqs"] == 100,
+               what="status.engine.maxNumSeqs 100")
+    time.sleep(2)  # a few refreshes: the Deployment must stay untouched
+    dep = get(controlplane, "deployment", "roll", opns)
+    assert dep["metadata"]["generation"] == gen and dep["spec"]["template"] == tmpl
+    assert {r["metadata"]["name"] for r in controlplane.kubectl_json(
+        "get", "rs", "-n", opns, "-l", SELECTOR.format("roll"), "-o", "json")["items"]} == rs_before
+
+    old_hash = tmpl["metadata"]["annotations"]["kvtune.io/restart-hash"]
+    controlplane.kubectl("patch", "infd", "roll", "-n", opns, "--type=merge", "-p",
+                         '{"spec":{"engine":{"blockSize":32}}}')
+    eventually(lambda: get(controlplane, "deployment", "roll", opns)["metadata"]["generation"] > gen,
+               what="the Deployment to roll")
+    dep = get(controlplane, "deployment", "roll", opns)
+    assert dep["spec"]["template"]["metadata"]["annotations"]["kvtune.io/restart-hash"] != old_hash
+    eventually(lambda: len(controlplane.kubectl_json("get", "rs", "-n", opns, "-l", SELECTOR.format("roll"),
+                                                     "-o", "json")["items"]) == len(rs_before) + 1,
+               what="a new ReplicaSet")
+    obj = eventually(lambda: (o := get(controlplane, "infd", "roll", opns)) and
+                     condition(o, "Progressing").get("reason") == "RolloutComplete" and o, timeout=60,
+                     what="the rollout to complete")
+    assert obj["status"]["engine"]["blockSize"] == 32 and condition(obj, "Ready")["status"] == "True"
+    events = controlplane.kubectl_json("get", "events", "-n", opns, "--field-selector",
+                                       "involvedObject.name=roll,involvedObject.kind=InferenceDeployment",
+                                       "-o", "json")["items"]
+    reasons = {e["reason"]: e["message"] for e in events}
+    assert "maxNumSeqs 64 -> 100" in reasons["EngineConfigChanged"] and "no restart" in reasons["EngineConfigChanged"]
+    assert "blockSize 16 -> 32" in reasons["RollingRestart"]
+
+
+def test_scale_subresource(controlplane, operator, opns):
+    controlplane.kubectl("apply", "-n", opns, "-f", "-", input=infd_yaml("scaled"))
+    wait_ready(controlplane, "scaled", opns, operator)
+    controlplane.kubectl("scale", "infd", "scaled", "-n", opns, "--replicas=2")
+    wait_ready(controlplane, "scaled", opns, operator, replicas="2/2")
+    assert get(controlplane, "deployment", "scaled", opns)["spec"]["replicas"] == 2
+    scale = json.loads(controlplane.kubectl(
+        "get", "--raw", f"/apis/kvtune.io/v1alpha1/namespaces/{opns}/inferencedeployments/scaled/scale").stdout)
+    assert scale["spec"]["replicas"] == 2 and scale["status"]["replicas"] == 2
+    assert scale["status"]["selector"] == SELECTOR.format("scaled")
+
+
+def test_missing_pvc_is_degraded_with_an_event(controlplane, operator, opns):
+    controlplane.kubectl("apply", "-n", opns, "-f", "-", input=infd_yaml(
+        "nopvc", model={"path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "absent"}}}))
+
+    def degraded():
+        c = condition(get(controlplane, "infd", "nopvc", opns), "Degraded")
+        return c if c.get("status") == "True" and c.get("reason") == "ModelVolumeMissing" else None
+    c = eventually(degraded, timeout=60, what="Degraded ModelVolumeMissing")
+    assert "absent" in c["message"]
+    events = controlplane.kubectl_json("get", "events", "-n", opns, "--field-selector",
+                                       "involvedObject.name=nopvc,reason=ModelVolumeMissing", "-o", "json")["items"]
+    assert events and events[0]["type"] == "Warning"
+    assert get(controlplane, "deployment", "nopvc", opns)  # applied anyway: it starts once the claim exists
+    controlplane.kubectl("apply", "-n", opns, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "absent"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}}))
+    eventually(lambda: condition(get(controlplane, "infd", "nopvc", opns), "Degraded").get("reason")
+               != "ModelVolumeMissing", what="ModelVolumeMissing to clear")
+
+
+def test_restart_resumes_without_duplicating_children(controlplane, operator, opns):
+    controlplane.kubectl("apply", "-n", opns, "-f", "-", input=infd_yaml("resume"))
+    wait_ready(controlplane, "resume", opns, operator)
+    before = {k: [(i["metadata"]["uid"], i["metadata"]["resourceVersion"]) for i in v]
+              for k, v in children(controlplane, "resume", opns).items()}
+    operator.stop()
+    controlplane.kubectl("patch", "infd", "resume", "-n", opns, "--type=merge", "-p",
+                         '{"spec":{"engine":{"maxNumSeqs":77}}}')
+    operator.start()
+    eventually(lambda: "max_num_seqs: 77" in get(controlplane, "configmap", "resume-engine", opns)["data"]["engine.yaml"],
+               what="the change made while the operator was down")
+    wait_ready(controlplane, "resume", opns, operator)
+    after = {k: [(i["metadata"]["uid"], i["metadata"]["resourceVersion"]) for i in v]
+             for k, v in children(controlplane, "resume", opns).items()}
+    assert [len(v) for v in after.values()] == [1, 1, 1]
+    assert after["deployments"] == before["deployments"]  # same object, not even rewritten
+    assert after["services"] == before["services"]
+    assert after["configmaps"][0][0] == before["configmaps"][0][0]  # same ConfigMap, new content
+
+
+def test_delete_removes_children(controlplane, operator, opns):
+    controlplane.kubectl("apply", "-n", opns, "-f", "-", input=infd_yaml("gone"))
+    wait_ready(controlplane, "gone", opns, operator)
+    controlplane.kubectl("delete", "infd", "gone", "-n", opns, "--wait=true", "--timeout=60s")
+    eventually(lambda: not any(children(controlplane, "gone", opns).values()), timeout=60,
+               what="garbage collection of the children")
+    assert controlplane.kubectl_json("get", "pods", "-n", opns, "-l", SELECTOR.format("gone"), "-o", "json")["items"] == [] \
+        or eventually(lambda: controlplane.kubectl_json("get", "pods", "-n", opns, "-l", SELECTOR.format("gone"),
+                                                        "-o", "json")["items"] == [], what="pods to go")
+
+
+# -- the chart, and its RBAC being enough -------------------------------------------------------------
+
+def test_helm_install_and_least_privilege_rbac(controlplane, crd, tmp_path):
+    system = _make_namespace(controlplane, "kvtune-sys")
+    watched = _make_namespace(controlplane, "kvtune-app")
+    release = "kvt"
+    op = None
+    try:
+        controlplane.helm("install", release, str(ROOT / "charts" / "kvtune"), "-n", system,
+                          "--set", f"watchNamespaces={{{watched}}}", "--wait=false")
+        sa = controlplane.kubectl_json("get", "serviceaccount", "-n", system, "-l",
+                                       f"app.kubernetes.io/instance={release}", "-o", "json")["items"]
+        assert len(sa) == 1
+        sa_name = sa[0]["metadata"]["name"]
+        dep = get(controlplane, "deployment", sa_name, system)
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert c["command"] == ["kvtune", "operator", "run"]
+        assert {"name": "KVTUNE_NAMESPACES", "value": watched} in c["env"]
+        role = get(controlplane, "role", sa_name, watched)
+        assert role["rules"] and get(controlplane, "rolebinding", sa_name, watched)
+        # The chart's ServiceAccount may do what the operator does in the watched namespace, nothing more
+        who = f"system:serviceaccount:{system}:{sa_name}"
+        can = lambda *a: controlplane.kubectl("auth", "can-i", *a, "--as", who, check=False).stdout.strip()  # noqa: E731
+        assert can("patch", "deployments", "-n", watched) == "yes"
+        assert can("patch", "inferencedeployments.kvtune.io/status", "-n", watched) == "yes"
+        assert can("delete", "deployments", "-n", watched) == "no"
+        assert can("get", "secrets", "-n", watched) == "no"
+        assert can("patch", "deployments", "-n", system) == "no"
+        # ... and that is enough: the operator, running with the ServiceAccount's token, reconciles fully.
+        token = controlplane.kubectl("create", "token", sa_name, "-n", system, "--duration=1h").stdout.strip()
+        kubeconfig = tmp_path / "sa.kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+            "clusters": [{"name": "c", "cluster": {"server": controlplane.server,
+                                                   "certificate-authority": str(controlplane.ca_file)}}],
+            "users": [{"name": "sa", "user": {"token": token}}],
+            "contexts": [{"name": "sa", "context": {"cluster": "c", "user": "sa", "namespace": watched}}]}))
+        env = {k: v for k, v in controlplane.subprocess_env().items() if k != "KUBECONFIG"}
+        op = OperatorProcess(env, [watched], tmp_path / "sa-operator.log", kubeconfig=str(kubeconfig)).start()
+        controlplane.kubectl("apply", "-n", watched, "-f", "-", input=infd_yaml(
+            "rbac", model={"path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": "absent"}}}))
+        eventually(lambda: condition(get(controlplane, "infd", "rbac", watched), "Degraded").get("reason")
+                   == "ModelVolumeMissing", what="the operator to reconcile with the chart's RBAC")
+        controlplane.kubectl("patch", "infd", "rbac", "-n", watched, "--type=merge", "-p",
+                             '{"spec":{"engine":{"maxNumSeqs":99}}}')
+        eventually(lambda: "max_num_seqs: 99" in get(controlplane, "configmap", "rbac-engine", watched)["data"]["engine.yaml"],
+                   what="an update with the chart's RBAC")
+        assert [e["reason"] for e in controlplane.kubectl_json(
+            "get", "events", "-n", watched, "--field-selector", "involvedObject.name=rbac", "-o", "json")["items"]]
+        log = op.tail(400)
+        assert "403" not in log and "Forbidden" not in log, log
+        notes = controlplane.helm("status", release, "-n", system).stdout
+        assert "kubectl get infd" in notes
+    finally:
+        if op:
+            op.stop()
+        controlplane.helm("uninstall", release, "-n", system, check=False)
+        for ns in (system, watched):
+            controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+# -- a real engine in the pod: the ConfigMap contract ------------------------------------------------
+
+def test_engine_pod_applies_live_knobs(controlplane, crd, pod_node, tmp_path_factory):
+    """The pod node runs the rendered container command: the engine reads the operator's ConfigMap,
+    and a live knob edited in spec.engine reaches the running engine without a restart."""
+    model = tmp_path_factory.mktemp("model") / "tiny"
+    subprocess.run([str(Path(sys.executable).with_name("kvtune")), "make-tiny-model", str(model)], check=True,
+                   capture_output=True, timeout=300)
+    ns = _make_namespace(controlplane, "op-engine")
+    op = OperatorProcess(controlplane.subprocess_env(), [ns],
+                         tmp_path_factory.mktemp("operator-engine") / "operator.log").start()
+    try:
+        controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd_yaml(
+            "live", model={"path": str(model), "servedModelName": "tiny"}, resources={"gpus": 0},
+            engine={"maxNumSeqs": 8, "maxModelLen": 256, "maxNumBatchedTokens": 256, "kvCacheMemoryGiB": 0.01,
+                    "swapSpaceGiB": 0}))
+        labels = {"kvtune.io/inference-deployment": "live"}
+        eventually(lambda: pod_node.urls_for_selector(ns, labels), timeout=120, what="the engine pod's process")
+        local = pod_node.wait_for_selector(ns, labels, count=1, timeout=180)[0]
+        url = local.url
+
+        def config():
+            with urllib.request.urlopen(f"{url}/kvtune/v1/config", timeout=5) as r:
+                return json.loads(r.read())["config"]
+        assert eventually(lambda: config()["max_num_seqs"] == 8, timeout=60, what="the engine to run maxNumSeqs 8")
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+            assert json.loads(r.read())["data"][0]["id"] == "tiny"
+        controlplane.kubectl("patch", "infd", "live", "-n", ns, "--type=merge", "-p",
+                             '{"spec":{"engine":{"maxNumSeqs":4}}}')
+        eventually(lambda: config()["max_num_seqs"] == 4, timeout=60, what="the live knob to reach the engine")
+        assert pod_node.wait_for_selector(ns, labels, count=1)[0] is local and local.alive()  # no restart
+    finally:
+        op.stop()
+        controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
