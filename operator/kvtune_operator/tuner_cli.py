@@ -113,3 +113,166 @@ def _json_default(x: Any) -> Any:
     if isinstance(x, (set, frozenset, tuple)):
         return list(x)
     return str(x)
+
+
+# ------------------------------------------------------------------------------------------------
+# kvtune tune
+
+
+_ROW_KEYS = (("goodput", "goodput_requests_per_s", "{:.3g} req/s"),
+             ("throughput", "output_tokens_per_s", "{:.0f} tok/s"),
+             ("TTFT p99", "ttft_p99_s", "{:.3g} s"),
+             ("TPOT p99", "tpot_p99_s", "{:.3g} s"),
+             ("queue p99", "queue_time_p99_s", "{:.3g} s"),
+             ("KV usage", "kv_usage_mean", "{:.0%}"))
+
+
+def _pre(s: dict) -> str:
+    p = s.get("preemptions") or {}
+    return f"{p.get('swap', 0)} swap, {p.get('recompute', 0)} recompute ({p.get('swap_full', 0)} swap full)"
+
+
+def _camel_flags(changes: dict) -> str:
+    return " ".join(f"--{k.replace('_', '-')}" if v is True else f"--no-{k.replace('_', '-')}" if v is False
+                    else f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
+                    for k, v in changes.items())
+
+
+def _tune_options(f):
+    from kvtune_engine.sim.cli import engine_options
+
+    f = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")(f)
+    f = click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
+                     help="Most restart-requiring changes (block size, memory, swap) in all.")(f)
+    f = click.option("--rounds", type=click.IntRange(min=1, max=20), default=5, show_default=True,
+                     help="Rounds of the loop (each replays the trace under the config in force).")(f)
+    f = click.option("--bounds", "bounds", multiple=True, metavar="KNOB=LO:HI|V1,V2",
+                     help="Limit a knob, e.g. max-num-seqs=32:512, block-size=16,32, "
+                          "gpu-memory-utilization=0.85:0.95, enable-chunked-prefill=true (repeatable).")(f)
+    f = click.option("--slo-tpot", type=float, default=None, metavar="S", help="SLO on time per output token, s.")(f)
+    f = click.option("--slo-ttft", type=float, default=None, metavar="S", help="SLO on time to first token, s.")(f)
+    f = engine_options(f)
+    f = click.option("--profile", "profile_name", required=True, metavar="NAME|FILE",
+                     help="Cost profile: h200-qwen3-0.6b, a100-llama3-8b, l20-qwen3-8b, cpu-tiny, or a JSON file.")(f)
+    f = click.option("--trace", "trace_file", required=True, metavar="FILE",
+                     help="JSONL request trace (e.g. the engine's /kvtune/v1/trace?format=jsonl).")(f)
+    return f
+
+
+def tune_trace(trace: list, start: Any, profile: Any, *, slo_ttft: float | None = None, slo_tpot: float | None = None,
+               bounds: Any = None, rounds: int = 5, max_restarts: int = 3) -> dict[str, Any]:
+    """The tuner's loop on one trace in the simulator (each round replays the whole trace under the
+    config in force, as the operator would over successive windows). Returns the JSON result."""
+    from kvtune_engine.sim.simulator import SLO, simulate
+
+    from .tuner.candidates import Bounds
+    from .tuner.decide import Objectives, knob_changes
+    from .tuner.diagnose import diagnose
+    from .tuner.loop import TunerSettings, simulate_loop
+    from .tuner.observation import Observation
+
+    b = bounds or Bounds()
+    objectives = Objectives(slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, cooldown_s=0.0, max_restarts=max_restarts)
+    settings = TunerSettings(bounds=b, objectives=objectives)
+    run = simulate_loop([trace] * rounds, start, profile, settings, window_s=60.0, fit_costs=False)
+    slo = SLO(slo_ttft, slo_tpot)
+    baseline = run.windows[0].measured if run.windows else simulate(trace, start, profile, slo)
+    final = run.final
+    predicted = simulate(trace, final, profile, slo) if final != start else baseline
+    diag = run.windows[0].round.diagnosis if run.windows else diagnose(
+        Observation.from_sim_summary(baseline, trace=trace), bounds=b)
+    changes = knob_changes(start, final)
+    steps = []
+    for w in run.windows:
+        r = w.round
+        e: dict[str, Any] = {"round": w.index, "cause": r.diagnosis.cause, "message": r.diagnosis.message,
+                             "measured_goodput_requests_per_s": w.measured.get("goodput_requests_per_s")}
+        if r.verdict is not None:
+            e["verdict"] = {"keep": r.verdict.keep, "reason": r.verdict.reason}
+        if r.decision is not None:
+            e["decision"] = {"action": r.decision.action, "changes": {k.replace("_", "-"): v for k, v in
+                                                                     r.decision.changes.items()},
+                             "restart": r.decision.restart, "reason": r.decision.reason,
+                             "candidates": r.decision.considered}
+        if r.note:
+            e["note"] = r.note
+        steps.append(e)
+    return {
+        "recommended": {k.replace("_", "-"): v for k, v in changes.items()},
+        "restart_required": bool(start.restart_changes(final)),
+        "config": final.as_flags(),
+        "current": start.as_flags(),
+        "diagnosis": diag.to_dict(),
+        "baseline": baseline,
+        "predicted": predicted,
+        "restarts": run.restarts,
+        "rounds": steps,
+        "bounds": b.to_dict(),
+        "profile": profile.name,
+    }
+
+
+@click.command("tune", context_settings={"help_option_names": ["-h", "--help"]})
+@_tune_options
+def tune_cmd(trace_file: str, profile_name: str, slo_ttft: float | None, slo_tpot: float | None,
+             bounds: tuple[str, ...], rounds: int, max_restarts: int, as_json: bool, **flags: Any) -> None:
+    """Recommend engine flags for a request trace: diagnose, predict candidates in the simulator,
+    choose, and repeat as the operator would (same loop), within --bounds."""
+    from kvtune_engine.sim.cli import engine_config
+    from kvtune_engine.sim.profile import ProfileError, load_profile
+    from kvtune_engine.sim.trace import TraceError, read_trace
+
+    from .tuner.candidates import Bounds
+
+    for name, v in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot)):
+        if v is not None and not v > 0:
+            raise click.UsageError(f"{name} must be > 0 seconds (got {v})")
+    start = engine_config(flags)
+    try:
+        b = Bounds.parse(list(bounds)) if bounds else Bounds()
+    except ConfigError as e:
+        raise click.UsageError(f"--bounds: {str(e).removeprefix('bounds: ')}") from None
+    try:
+        profile = load_profile(profile_name)
+    except ProfileError as e:
+        raise click.UsageError(f"--profile: {e}") from None
+    try:
+        trace = read_trace(sys.stdin if trace_file == "-" else trace_file)
+    except TraceError as e:
+        raise click.ClickException(str(e)) from None
+    try:
+        profile.kv_cache_size(start)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    out = tune_trace(trace, start, profile, slo_ttft=slo_ttft, slo_tpot=slo_tpot, bounds=b, rounds=rounds,
+                     max_restarts=max_restarts)
+    if as_json:
+        click.echo(json.dumps(out, default=_json_default))
+        return
+    d = out["diagnosis"]
+    click.echo(f"{d['cause']}: {d['message']}")
+    for e in out["rounds"]:
+        dec = e.get("decision")
+        if e.get("verdict") and not e["verdict"]["keep"]:
+            click.echo(f"  round {e['round']}: {e['verdict']['reason']}")
+        if dec and dec["action"] == "change":
+            ch = ", ".join(f"{k} {v}" for k, v in dec["changes"].items())
+            click.echo(f"  round {e['round']}: {e['cause']} -> set {ch} ({dec['reason']})")
+        elif dec:
+            click.echo(f"  round {e['round']}: {e['cause']}: keep ({dec['reason']})")
+        elif e.get("note"):
+            click.echo(f"  round {e['round']}: {e['cause']}: {e['note']}")
+    rec = out["recommended"]
+    if not rec:
+        click.echo("Recommended: keep the current flags (nothing predicted to be clearly better).")
+        return
+    click.echo("Recommended: " + _camel_flags({k.replace("-", "_"): v for k, v in rec.items()})
+               + ("  (needs a restart)" if out["restart_required"] else "  (live: no restart needed)"))
+    base, pred = out["baseline"], out["predicted"]
+    click.echo(f"  {'':12} {'now':>16} {'predicted':>16}")
+    for label, key, fmt in _ROW_KEYS:
+        a, b2 = base.get(key), pred.get(key)
+        fa = fmt.format(a) if a is not None else "-"
+        fb = fmt.format(b2) if b2 is not None else "-"
+        click.echo(f"  {label:12} {fa:>16} {fb:>16}")
+    click.echo(f"  {'preemptions':12} {_pre(base):>16}  ->  {_pre(pred)}")

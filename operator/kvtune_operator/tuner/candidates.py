@@ -63,7 +63,7 @@ class Range:
 class Bounds:
     """What the tuner may set. Defaults are wide; users narrow them (``spec.autotune.bounds``)."""
     block_size: tuple[int, ...] = BLOCK_SIZES
-    gpu_memory_utilization: Range = Range(0.5, 0.95)
+    gpu_memory_utilization: Range = Range(0.05, 0.95)
     swap_space: Range = Range(0.0, 64.0)
     max_num_seqs: Range = Range(1, 1024)
     max_num_batched_tokens: Range = Range(16, 65536)
@@ -150,6 +150,30 @@ class Bounds:
             else:
                 raise ConfigError(f"bounds: {key} is not a tuned knob")
         return cls(**vals)
+
+    def clamp(self, cfg: EngineConfig) -> EngineConfig:
+        """The nearest config inside the bounds (``cfg`` itself when it is inside)."""
+        ch: dict[str, Any] = {}
+        for k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens"):
+            r: Range = getattr(self, k)
+            v = getattr(cfg, k)
+            if v not in r:
+                c = r.clamp(v)
+                ch[k] = int(c) if isinstance(v, int) else c
+        for k in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if getattr(cfg, k) not in getattr(self, k):
+                ch[k] = getattr(self, k)[0]
+        if cfg.block_size not in self.block_size:
+            ch["block_size"] = min(self.block_size, key=lambda b: (abs(b - cfg.block_size), b))
+        if not ch:
+            return cfg
+        if ch.get("enable_chunked_prefill") is False:
+            ch["max_num_batched_tokens"] = max(ch.get("max_num_batched_tokens", cfg.max_num_batched_tokens),
+                                               cfg.max_model_len)
+        try:
+            return cfg.with_changes(**ch)
+        except ConfigError:
+            return cfg
 
     def freeze(self, cfg: EngineConfig, knobs: Iterable[str]) -> "Bounds":
         """Pin ``knobs`` (any spelling) to their value in ``cfg`` (``spec.autotune.frozenKnobs``)."""
@@ -306,23 +330,21 @@ class MemoryPicture:
 def swap_needed_gib(obs: Observation, safety: Safety = Safety()) -> float | None:
     """Swap volume the window asked for, in GiB, with headroom; None when the window did not swap.
 
-    Observed volume = peak swap usage of the pool; swap-full events are requests that wanted to swap
-    but found no room, each as big as an average swapped request (the pool's peak divided by the
-    swap preemptions, at least one request's blocks)."""
+    Observed volume = the pool's peak usage, plus, for each swap-full event, one request's K/V at the
+    moment it was preempted (about three quarters of its final length, from the window's lengths and
+    the K/V bytes per token; without them, the pool's peak divided by the swap preemptions)."""
     cfg = obs.config
     if obs.preemptions_swap == 0 and obs.swap_full == 0:
         return None
-    pool = cfg.swap_space
-    used = obs.swap_usage_peak * pool
-    per_req_gib = used / max(1, obs.preemptions_swap) if used > 0 else None
-    if per_req_gib is None:
-        lengths = obs.lengths
-        kv_tok = MemoryPicture.from_observation(obs)
-        if lengths is None or kv_tok is None:
-            return None
-        per_req_gib = lengths.total_mean * kv_tok.kv_bytes_per_token / GiB
-    wanted = used + per_req_gib * min(obs.swap_full, max(1, obs.preemptions_swap + obs.swap_full))
-    return wanted * safety.swap_headroom
+    used = obs.swap_usage_peak * cfg.swap_space
+    mem = MemoryPicture.from_observation(obs)
+    if obs.lengths is not None and obs.lengths.count and mem is not None:
+        per_req_gib = 0.75 * obs.lengths.total_mean * mem.kv_bytes_per_token / GiB
+    elif used > 0:
+        per_req_gib = used / max(1, obs.preemptions_swap)
+    else:
+        return None
+    return (used + per_req_gib * obs.swap_full) * safety.swap_headroom
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,83 +406,122 @@ def best_block_size(obs: Observation, allowed: Iterable[int], kernel_penalty: fl
 
 
 def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), cause: str | None = None,
-            memory: MemoryPicture | None = None) -> CandidateSet:
-    """Single-knob moves around ``obs.config`` (plus the diagnosis' suggested value), in bounds.
+            memory: MemoryPicture | None = None, slo_tpot_s: float | None = None,
+            exhaustive: bool = False) -> CandidateSet:
+    """Single-knob moves around the current config, in bounds, where the window shows a reason.
 
-    ``cause`` (a diagnosis name) adds the scenario's fix even when it is far from the current value.
-    Combinations of the winning moves are made by the loop after a first prediction round
-    (``combine``).
+    Each knob is moved only when the window's figures point at it (``exhaustive`` moves every knob):
+
+    * ``max_num_seqs`` up when the cap stopped the queue head or every slot was busy; down when
+      sequences were preempted, blocks ran short or TPOT missed its target;
+    * ``max_num_batched_tokens`` half and double always (cheap), more when the budget stopped the
+      head; to the 95th-percentile prompt when prompts are long;
+    * chunked prefill on/off; turning it on also tries smaller budgets (what makes it useful);
+    * prefix caching off when its hit rate is low or its blocks pin the pool; on when prompts share
+      prefixes;
+    * block size: the neighbours and the least-waste size for the observed lengths, when blocks ran
+      short or the tail waste is large;
+    * ``gpu_memory_utilization`` up to the safe line when blocks ran short or sequences were
+      preempted; down to the safe line when above it (always proposed);
+    * ``swap_space`` from the observed swap volume, when the window swapped.
+
+    A current config outside the bounds is first brought inside them (that config is a candidate
+    itself, and the moves start from it). Combinations of moves that each help are made by the loop
+    after a first prediction round (``combine``).
     """
-    cfg = obs.config
     out = CandidateSet()
+    cfg = bounds.clamp(obs.config)
+    if cfg != obs.config:
+        out.add(cfg, "into the bounds")
     mem = memory or MemoryPicture.from_observation(obs)
+    share = obs.waiting_cause_share
+    seqs_blocked = share.get("max_num_seqs", 0.0)
+    budget_blocked = share.get("token_budget", 0.0)
+    blocks_blocked = share.get("kv_blocks", 0.0) + share.get("watermark", 0.0)
+    pressure = exhaustive or blocks_blocked >= 0.02 or obs.preemptions > 0 or (obs.kv_usage_peak or 0) >= 0.95
+    L = obs.lengths
+
+    def move(why: str, **ch: Any) -> None:
+        out.add(_try(cfg, bounds, **ch), why)
 
     # max_num_seqs
-    seqs = {cfg.max_num_seqs * f for f in (0.5, 1.5, 2.0, 3.0, 4.0)}
-    fit = seq_cap_fit(obs)
-    if fit:
-        seqs.add(fit)
+    seqs: set[float] = set()
+    if exhaustive or seqs_blocked >= 0.02 or obs.running_peak >= cfg.max_num_seqs:
+        seqs.update(cfg.max_num_seqs * f for f in (1.5, 2.0, 4.0))
+        fit = seq_cap_fit(obs, cfg)
+        if fit:
+            seqs.add(fit)
+    if pressure or (slo_tpot_s is not None and obs.tpot_p99_s > slo_tpot_s):
+        seqs.update(cfg.max_num_seqs * f for f in (0.5, 0.75))
     for v in sorted(seqs):
         v = int(bounds.max_num_seqs.clamp(_round_seqs(v)))
-        out.add(_try(cfg, bounds, max_num_seqs=v), f"max_num_seqs {cfg.max_num_seqs} -> {v}")
+        move(f"max_num_seqs {cfg.max_num_seqs} -> {v}", max_num_seqs=v)
 
     # max_num_batched_tokens (with chunked prefill off it must cover max_model_len)
-    toks = {cfg.max_num_batched_tokens * f for f in (0.5, 2.0, 4.0)}
-    if obs.lengths is not None and obs.lengths.count:
-        toks.add(obs.lengths.prompt_p95 * 1.1)
+    toks = {cfg.max_num_batched_tokens * 0.5, cfg.max_num_batched_tokens * 2.0}
+    if exhaustive or budget_blocked >= 0.02:
+        toks.add(cfg.max_num_batched_tokens * 4.0)
+        if L is not None and L.count:
+            toks.add(L.prompt_p95 * 1.1)
     for v in sorted(toks):
         v = int(bounds.max_num_batched_tokens.clamp(_round_tokens(v, cfg.block_size)))
-        out.add(_try(cfg, bounds, max_num_batched_tokens=v),
-                f"max_num_batched_tokens {cfg.max_num_batched_tokens} -> {v}")
+        move(f"max_num_batched_tokens {cfg.max_num_batched_tokens} -> {v}", max_num_batched_tokens=v)
 
-    # chunked prefill / prefix caching toggles
-    for k in ("enable_chunked_prefill", "enable_prefix_caching"):
-        nv = not getattr(cfg, k)
-        if nv in getattr(bounds, k):
-            c = _try(cfg, bounds, **{k: nv})
-            if c is None and k == "enable_chunked_prefill" and not nv:
-                # turning chunking off needs a budget that covers max_model_len
-                c = _try(cfg, bounds, enable_chunked_prefill=False,
-                         max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_model_len))
-            out.add(c, f"{k} -> {nv}")
+    # chunked prefill
+    if not cfg.enable_chunked_prefill and True in bounds.enable_chunked_prefill:
+        for t in sorted({cfg.max_num_batched_tokens, 2048, 4096, 8192}):
+            t = int(bounds.max_num_batched_tokens.clamp(t))
+            move(f"enable_chunked_prefill -> True, max_num_batched_tokens -> {t}",
+                 enable_chunked_prefill=True, max_num_batched_tokens=t)
+    elif cfg.enable_chunked_prefill and False in bounds.enable_chunked_prefill:
+        move("enable_chunked_prefill -> False", enable_chunked_prefill=False,
+             max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_model_len))
+
+    # prefix caching
+    if cfg.enable_prefix_caching and False in bounds.enable_prefix_caching:
+        hit = obs.prefix_cache_hit_rate
+        pinned = max(obs.cached_blocks_share or 0.0, obs.shared_blocks_share or 0.0)
+        if exhaustive or (hit is not None and hit < 0.5) or (pressure and pinned >= 0.2):
+            move("enable_prefix_caching -> False", enable_prefix_caching=False)
+    elif not cfg.enable_prefix_caching and True in bounds.enable_prefix_caching:
+        if exhaustive or (L is not None and L.prefix_share > 0.1):
+            move("enable_prefix_caching -> True", enable_prefix_caching=True)
 
     # block size: neighbours, and the least-waste size for the observed lengths
     allowed = sorted(bounds.block_size)
-    sizes = set()
-    if cfg.block_size in allowed:
+    if pressure or obs.internal_fragmentation_mean >= 0.1:
+        sizes = set()
         i = allowed.index(cfg.block_size)
         sizes.update(allowed[max(0, i - 1): i + 2])
-    else:
-        sizes.update(allowed)
-    bb = best_block_size(obs, allowed)
-    if bb:
-        sizes.add(bb)
-    for b in sorted(sizes - {cfg.block_size}):
-        out.add(_try(cfg, bounds, block_size=b), f"block_size {cfg.block_size} -> {b}")
+        bb = best_block_size(obs, allowed, kernel_penalty=0.02)
+        if bb:
+            sizes.add(bb)
+        for b in sorted(sizes - {cfg.block_size}):
+            move(f"block_size {cfg.block_size} -> {b}", block_size=b)
 
     # gpu_memory_utilization: up to what the measured memory allows
     if mem is not None:
         umax = min(bounds.gpu_memory_utilization.hi, mem.max_utilization(safety))
         u = cfg.gpu_memory_utilization
-        if u > umax + 1e-9:  # over the safe line: any candidate must come down
-            out.add(_try(cfg, bounds, gpu_memory_utilization=round(max(bounds.gpu_memory_utilization.lo, umax), 3)),
-                    f"gpu_memory_utilization {u} -> {umax:.3f} (over the safe line)")
-        else:
-            for v in {u + 0.02, u + 0.05, u + 0.1, umax}:
+        if u > umax + 1e-9:  # over the safe line: come down
+            v = round(max(bounds.gpu_memory_utilization.lo, umax), 3)
+            move(f"gpu_memory_utilization {u} -> {v} (over the safe line)", gpu_memory_utilization=v)
+        elif pressure:
+            for v in sorted({u + 0.05, u + 0.15, umax}):
                 v = round(min(umax, v), 3)
                 if v > u + 1e-9:
-                    out.add(_try(cfg, bounds, gpu_memory_utilization=v), f"gpu_memory_utilization {u} -> {v}")
+                    move(f"gpu_memory_utilization {u} -> {v}", gpu_memory_utilization=v)
 
     # swap space: from the observed swap volume
-    need = swap_needed_gib(obs, safety)
-    sw = {cfg.swap_space * 2, cfg.swap_space * 4} if cfg.swap_space > 0 else {1.0, 4.0}
-    if need is not None:
-        sw.update({need, need * 2})
-    for v in sorted(sw):
-        v = float(math.ceil(bounds.swap_space.clamp(v) * 2) / 2)  # half GiB steps
-        v = bounds.swap_space.clamp(v)
-        if abs(v - cfg.swap_space) > 1e-9:
-            out.add(_try(cfg, bounds, swap_space=v), f"swap_space {cfg.swap_space} -> {v}")
+    if exhaustive or obs.preemptions_swap > 0 or obs.swap_full > 0:
+        need = swap_needed_gib(obs, safety)
+        sw = {cfg.swap_space * 2, cfg.swap_space * 4} if cfg.swap_space > 0 else {1.0, 4.0}
+        if need is not None:
+            sw.update({need, need * 2})
+        for v in sorted(sw):
+            v = bounds.swap_space.clamp(float(math.ceil(v * 2) / 2))  # half GiB steps
+            if abs(v - cfg.swap_space) > 1e-9:
+                move(f"swap_space {cfg.swap_space} -> {v}", swap_space=v)
     return out
 
 

@@ -37,6 +37,8 @@ class Objectives:
     cooldown_s: float = 900.0
     #: seconds a rolled-back candidate stays barred
     bad_memory_s: float = 3600.0
+    #: most restart-requiring changes in all (None: no limit beyond the cooldown)
+    max_restarts: int | None = None
 
 
 def _f(summary: Mapping[str, Any], key: str) -> float:
@@ -54,32 +56,52 @@ def preemptions_per_min(summary: Mapping[str, Any]) -> float:
     return n * 60.0 / dur if dur > 0 else 0.0
 
 
+def recomputes(summary: Mapping[str, Any]) -> int:
+    """Recompute preemptions: work thrown away (a swap preemption keeps its KV on the host)."""
+    return int((summary.get("preemptions") or {}).get("recompute", 0) or 0)
+
+
 @dataclass(frozen=True, order=True)
 class Score:
-    """Comparable figure of merit of one simulator summary (higher is better)."""
+    """Comparable figure of merit of one simulator summary (higher is better).
+
+    Goodput first, then throughput (both with a relative margin: within it they tie), then fewer
+    recompute preemptions (work thrown away; counts when it halves and drops by at least 3)."""
     feasible: bool
     goodput: float
     throughput: float
+    neg_recompute: int = 0
 
     @classmethod
     def of(cls, summary: Mapping[str, Any], objectives: Objectives) -> "Score":
         feasible = True
         if objectives.max_preemptions_per_min is not None:
             feasible = preemptions_per_min(summary) <= objectives.max_preemptions_per_min
-        return cls(feasible, _f(summary, "goodput_requests_per_s"), _f(summary, "output_tokens_per_s"))
+        return cls(feasible, _f(summary, "goodput_requests_per_s"), _f(summary, "output_tokens_per_s"),
+                   -recomputes(summary))
 
     def beats(self, other: "Score", margin: float) -> bool:
-        """Better by more than ``margin`` (relative), on goodput first, throughput on a goodput tie."""
+        """Better by more than ``margin`` (relative), on goodput first, throughput on a goodput tie,
+        then far fewer recompute preemptions."""
         if self.feasible != other.feasible:
             return self.feasible
         if self.goodput > other.goodput * (1 + margin) + 1e-12:
             return True
         if self.goodput < other.goodput * (1 - margin) - 1e-12:
             return False
-        return self.throughput > other.throughput * (1 + margin) + 1e-12
+        if self.throughput > other.throughput * (1 + margin) + 1e-12:
+            return True
+        if self.throughput < other.throughput * (1 - margin) - 1e-12:
+            return False
+        mine, theirs = -self.neg_recompute, -other.neg_recompute
+        return mine <= theirs / 2 and theirs - mine >= 3
 
     def close_to(self, other: "Score", margin: float) -> bool:
-        return not self.beats(other, margin) and not other.beats(self, margin)
+        """Goodput and throughput within ``margin`` of each other (preemptions aside)."""
+        def near(a: float, b: float) -> bool:
+            return abs(a - b) <= margin * max(abs(a), abs(b)) + 1e-12
+        return self.feasible == other.feasible and near(self.goodput, other.goodput) and \
+            near(self.throughput, other.throughput)
 
 
 def knob_changes(before: EngineConfig, after: EngineConfig) -> dict[str, Any]:
@@ -137,21 +159,33 @@ def choose(current: EngineConfig, baseline: Mapping[str, Any],
     if not allowed:
         none.reason = "no candidate left to try" + (f" ({barred} barred)" if barred else "")
         return none
-    best = max(allowed, key=lambda a: a[2])
-    if not best[2].beats(base_score, objectives.min_gain):
+    best = max(allowed, key=lambda a: (a[2].feasible, a[2].goodput, a[2].throughput, a[2].neg_recompute))
+    if not any(a[2].beats(base_score, objectives.min_gain) for a in allowed):
         none.reason = (f"no candidate beats the current config by {objectives.min_gain:.0%} "
                        f"(best predicted goodput {best[2].goodput:.3g} vs {base_score.goodput:.3g} req/s)")
         return none
-    # Among the candidates as good as the best (within close_margin) that still clearly beat the
-    # current config: live before restart, then fewest knobs, then the higher score.
-    near = [a for a in allowed if a[2].close_to(best[2], objectives.close_margin)
-            and a[2].beats(base_score, objectives.min_gain)]
-    pick = min(near, key=lambda a: (a[4], len(a[3]), tuple(-x for x in (a[2].goodput, a[2].throughput))))
+    # Among the candidates as good as the best (within close_margin) that clearly beat the current
+    # config: live before restart, then (near) the fewest recompute preemptions, then fewest knobs,
+    # then the higher score.
+    winners = [a for a in allowed if a[2].beats(base_score, objectives.min_gain)]
+    top = max(winners, key=lambda a: (a[2].feasible, a[2].goodput, a[2].throughput, a[2].neg_recompute))
+    near = [a for a in winners if a[2].close_to(top[2], objectives.close_margin)]
+    least = min(-a[2].neg_recompute for a in near)
+
+    def order(a: tuple) -> tuple:
+        # goodput within 1% of the top counts as equal; then the shorter tail latency (headroom)
+        rec = -a[2].neg_recompute
+        good = round(a[2].goodput / top[2].goodput, 2) if top[2].goodput > 0 else 0.0
+        return (a[4], rec > least * 1.25 + 2, len(a[3]), -good, _f(a[1], "ttft_p99_s"), -a[2].throughput)
+
+    pick = min(near, key=order)
     cfg, summ, score, changes, restart = pick
     d = Decision("change", "", current, cfg, changes=changes, restart=restart, predicted=summ,
                  baseline=baseline, considered=len(predictions), barred=barred)
     d.reason = (f"predicted goodput {base_score.goodput:.3g} -> {score.goodput:.3g} req/s "
                 f"({d.predicted_gain:+.0%}), throughput {base_score.throughput:.4g} -> {score.throughput:.4g} tok/s"
+                + (f", recompute preemptions {-base_score.neg_recompute} -> {-score.neg_recompute}"
+                   if score.neg_recompute != base_score.neg_recompute else "")
                 + ("; needs a restart" if restart else "; live change"))
     return d
 
@@ -239,6 +273,8 @@ class TunerState:
 
     # ---- queries ----
     def restart_allowed(self, now: float, objectives: Objectives) -> bool:
+        if objectives.max_restarts is not None and self.restarts >= objectives.max_restarts:
+            return False
         return self.last_restart_at is None or now - self.last_restart_at >= objectives.cooldown_s
 
     def is_bad(self, cfg: EngineConfig, now: float) -> bool:

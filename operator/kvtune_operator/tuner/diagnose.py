@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .candidates import CAMEL, MemoryPicture, Safety, best_block_size, seq_cap_fit, swap_needed_gib
+from .candidates import CAMEL, Bounds, MemoryPicture, Safety, best_block_size, seq_cap_fit, swap_needed_gib
 from .observation import GiB, Observation
 
 CAUSES = ("SwapFull", "LongPromptHeadOfLine", "SequenceCap", "SharedPrefixPinning", "BlockWaste",
@@ -91,8 +91,11 @@ def _n(x: float) -> str:
     return f"{x:.0f}" if abs(x - round(x)) < 0.05 or x >= 10 else f"{x:.1f}"
 
 
-def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Safety = Safety()) -> Diagnosis:
+def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Safety = Safety(),
+             bounds: Bounds | None = None) -> Diagnosis:
+    """Name why requests wait in ``obs``. Suggested values respect ``bounds`` when given."""
     th = thresholds
+    bounds = bounds or Bounds()
     cfg = obs.config
     share = dict(obs.waiting_cause_share)
     seqs_share = share.get("max_num_seqs", 0.0)
@@ -117,6 +120,7 @@ def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Sa
     if obs.swap_full > 0 and (obs.swap_usage_peak >= 0.9 or cfg.swap_space == 0):
         need = swap_needed_gib(obs, safety)
         target = float(math.ceil(need)) if need else max(1.0, 2 * cfg.swap_space)
+        target = max(cfg.swap_space, bounds.swap_space.clamp(target))
         figs = {**common, "swap_full": obs.swap_full, "swap_usage_peak": round(obs.swap_usage_peak, 4),
                 "swap_space_gib": cfg.swap_space, "swap_needed_gib": round(need or 0.0, 2)}
         msg = (f"Swap space is full: {obs.swap_full} preemptions found the {cfg.swap_space:g} GiB swap pool "
@@ -160,6 +164,7 @@ def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Sa
         fit = seq_cap_fit(obs) or cfg.max_num_seqs * 2
         fit = max(fit, cfg.max_num_seqs + 1)
         fit = int(fit if fit < 32 else fit // 16 * 16)
+        fit = max(cfg.max_num_seqs, int(bounds.max_num_seqs.clamp(fit)))
         figs = {**common, "seq_cap_fit": fit, "blocked_share": round(seqs_share, 4)}
         msg = (f"Requests wait on the sequence cap: {_n(obs.running_peak)} of {cfg.max_num_seqs} sequences "
                f"running while KV usage is {_pct(obs.kv_usage_mean)}; raising {CAMEL['max_num_seqs']} to "
@@ -169,10 +174,12 @@ def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Sa
     # 4-6. not enough blocks: pinned prefix blocks, tail waste, too little memory
     if mem_pressure:
         cached = obs.cached_blocks_share or 0.0
+        shared = obs.shared_blocks_share or 0.0
         hit = obs.prefix_cache_hit_rate
         prefix_heavy = L is not None and L.prefix_share >= 0.3 and L.prefix_tokens_mean >= 0.3 * max(1.0, L.prompt_p50)
+        pinned = max(cached, shared)
         if cfg.enable_prefix_caching and blocks_share >= th.blocked_share and (
-                cached >= th.cached_share or (prefix_heavy and obs.kv_usage_mean < th.seq_cap_kv_usage)):
+                pinned >= th.cached_share or (prefix_heavy and obs.shared_blocks_share is None)):
             low_hit = hit is not None and hit < th.low_hit_rate
             if low_hit:
                 fix = (f"the hit rate is only {_pct(hit)}, so turning {CAMEL['enable_prefix_caching']} off "
@@ -184,7 +191,7 @@ def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Sa
                 sugg = {}
                 knob = "gpu_memory_utilization"
                 if mem is not None:
-                    u = round(min(mem.max_utilization(safety), 0.99), 2)
+                    u = math.floor(min(mem.max_utilization(safety), bounds.gpu_memory_utilization.hi) * 100) / 100
                     if u > cfg.gpu_memory_utilization:
                         sugg = {"gpu_memory_utilization": u}
                         fix = (f"raising {CAMEL['gpu_memory_utilization']} to {u:g} makes room for the prefix "
@@ -192,12 +199,16 @@ def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Sa
                     elif hit is not None and hit < 0.6:
                         fix = f"turning {CAMEL['enable_prefix_caching']} off frees them (hit rate {_pct(hit)})"
                         sugg, knob = {"enable_prefix_caching": False}, "enable_prefix_caching"
-            figs = {**common, "cached_blocks_share": round(cached, 4),
+            figs = {**common, "cached_blocks_share": round(cached, 4), "shared_blocks_share": round(shared, 4),
                     "prefix_cache_hit_rate": None if hit is None else round(hit, 4),
                     "prefix_share": round(L.prefix_share, 4) if L else None,
                     "blocked_share": round(blocks_share, 4)}
-            held = f"{_pct(cached)} of the blocks are held by the prefix cache" if cached else \
-                "shared-prefix blocks stay pinned in the cache"
+            if shared >= cached and shared > 0:
+                held = f"{_pct(shared)} of the blocks hold shared prefixes, pinned by the requests that use them"
+            elif cached > 0:
+                held = f"{_pct(cached)} of the blocks are held idle by the prefix cache"
+            else:
+                held = "shared-prefix blocks stay pinned in the cache"
             msg = (f"Requests wait for KV blocks while the usage gauge reads {_pct(obs.kv_usage_mean)}: {held}"
                    + (f" (hit rate {_pct(hit)})" if hit is not None else "")
                    + f", so fewer blocks are allocatable than the gauge suggests; {fix}.")
@@ -205,7 +216,7 @@ def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Sa
 
         frag = obs.internal_fragmentation_mean
         if frag >= th.fragmentation and L is not None and L.totals:
-            smaller = [b for b in sorted({8, 16, 32, 64, 128}) if b < cfg.block_size]
+            smaller = [b for b in sorted(bounds.block_size) if b < cfg.block_size]
             bb = best_block_size(obs, smaller + [cfg.block_size]) if smaller else None
             if bb and bb < cfg.block_size:
                 now_w, new_w = L.tail_waste(cfg.block_size), L.tail_waste(bb)
@@ -221,7 +232,7 @@ def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Sa
                     return Diagnosis("BlockWaste", msg, figs, "block_size", {"block_size": bb})
 
         if mem is not None:
-            umax = mem.max_utilization(safety)
+            umax = min(mem.max_utilization(safety), bounds.gpu_memory_utilization.hi)
             unused = max(0.0, (umax - cfg.gpu_memory_utilization) * mem.device_total)
             if unused >= th.unused_memory_share * mem.device_total:
                 u = round(math.floor(umax * 100) / 100, 2)

@@ -1,12 +1,25 @@
 """Fit the simulator's step-cost model from the engine's own step timings.
 
-Model (issue 2 section 4): ``t = c0 + c_tok * batched_tokens + c_ctx * decode_context_tokens``.
+The simulator's profile charges one step (``kvtune_engine.sim.profile``)::
 
-Samples are single steps or window means (a histogram's ``_sum / _count`` for duration, batched tokens
-and context, weighted by ``_count``): the model is linear, so the mean of the steps obeys it too and
-both kinds mix in one least-squares problem. Coefficients are non-negative (a step never gets faster
-with more work): the fit solves the weighted normal equations on every subset of the three terms and
-keeps the best subset whose coefficients are all >= 0 (7 tiny solves, no numpy needed).
+    t = c0 + max(weights_read, c_tok * batched_tokens) + c_ctx * decode_context + c_pair * prefill_pairs
+        + swapped_bytes / swap_bandwidth
+
+Written with a *knee* ``k = weights_read / c_tok`` (the batch size at which the dense layers stop
+being bound by reading the weights) the model is ``c0 + c_tok * max(k, tokens) + ...``: linear in the
+coefficients for a fixed knee. So the fit tries a grid of knees (0 = the plain linear model
+``c0 + c_tok * tokens + c_ctx * context`` of issue 2) and, for each, solves weighted non-negative
+least squares; it keeps the knee and coefficients with the least squared error. Swap copies are
+subtracted first with the profile's bandwidth (a memory figure, not a fitted one). A term whose
+figure is absent from every sample (e.g. prefill pairs, which the engine's step log may not carry)
+is left out and reported as 0.
+
+Samples are single steps or window means (a histogram's ``_sum / _count`` of duration, batched
+tokens and context, weighted by ``_count``): the linear model holds for means too, the knee does not,
+so a fit over means only is linear (knee 0).
+
+Non-negative: every subset of the terms is solved and the best all-non-negative solution kept
+(at most 15 tiny solves per knee, on the 5x5 Gram matrix: no numpy needed).
 """
 from __future__ import annotations
 
@@ -17,87 +30,140 @@ from typing import Iterable, Sequence
 
 from .observation import StepSample
 
+TERMS = ("c0", "c_tok", "c_ctx", "c_pair")
+
 
 @dataclass(frozen=True)
 class StepCostFit:
     c0: float
     c_tok: float
     c_ctx: float
-    samples: int
-    rel_rmse: float          # weighted RMS residual / weighted mean duration
-    terms: tuple[str, ...]   # the terms the fit kept
+    c_pair: float = 0.0
+    knee_tokens: float = 0.0     # weights_read_s = c_tok * knee_tokens
+    samples: int = 0
+    rel_rmse: float = 0.0        # weighted RMS residual / weighted mean duration
+    terms: tuple[str, ...] = ()  # the terms the fit kept
 
-    def predict(self, batched_tokens: float, context_tokens: float = 0.0) -> float:
-        return self.c0 + self.c_tok * batched_tokens + self.c_ctx * context_tokens
+    @property
+    def weights_read_s(self) -> float:
+        return self.c_tok * self.knee_tokens
+
+    def predict(self, batched_tokens: float, context_tokens: float = 0.0, prefill_pairs: float = 0.0) -> float:
+        return (self.c0 + self.c_tok * max(self.knee_tokens, batched_tokens) + self.c_ctx * context_tokens
+                + self.c_pair * prefill_pairs)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
+    """Gaussian elimination with partial pivoting; None when (nearly) singular."""
     n = len(b)
     m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    scale = max((abs(x) for row in a for x in row), default=0.0) or 1.0
     for col in range(n):
         piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-300:
+        if abs(m[piv][col]) < 1e-12 * scale:
             return None
         m[col], m[piv] = m[piv], m[col]
         for r in range(n):
             if r != col:
                 f = m[r][col] / m[col][col]
-                for c in range(col, n + 1):
-                    m[r][c] -= f * m[col][c]
+                if f:
+                    for c in range(col, n + 1):
+                        m[r][c] -= f * m[col][c]
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def fit_step_cost(samples: Iterable[StepSample], *, min_samples: int = 3) -> StepCostFit | None:
-    """Weighted non-negative least squares of step duration on (1, batched tokens, context tokens).
+def _knees(max_tokens: float) -> list[float]:
+    ks, k = [0.0], 2.0
+    while k < max_tokens:
+        ks.append(k)
+        k *= 1.25
+    return ks
 
-    Returns None when there are too few samples, or too little spread to tell the terms apart and
-    no single-term fit is possible either.
+
+def fit_step_cost(samples: Iterable[StepSample], *, knee: bool = True, swap_bandwidth: float | None = None,
+                  min_samples: int = 3, max_rows: int = 3000) -> StepCostFit | None:
+    """Weighted non-negative least squares of step duration (see the module docstring).
+
+    Returns None when there are fewer than ``min_samples`` usable samples or nothing is identifiable.
     """
-    rows = [s for s in samples if s.weight > 0 and s.duration_s >= 0 and math.isfinite(s.duration_s)]
+    rows = [s for s in samples if s.weight > 0 and math.isfinite(s.duration_s) and s.duration_s >= 0]
     if len(rows) < min_samples:
         return None
-    # scale columns so the normal equations stay well conditioned (tokens ~1e3, durations ~1e-2)
-    sc_tok = max(1.0, max(abs(s.batched_tokens) for s in rows))
-    sc_ctx = max(1.0, max(abs(s.context_tokens) for s in rows))
-    cols = {
-        "c0": [1.0] * len(rows),
-        "c_tok": [s.batched_tokens / sc_tok for s in rows],
-        "c_ctx": [s.context_tokens / sc_ctx for s in rows],
-    }
-    y = [s.duration_s for s in rows]
+    if len(rows) > max_rows:  # an even stride keeps the mix of decode and prefill steps
+        step = len(rows) / max_rows
+        rows = [rows[int(i * step)] for i in range(max_rows)]
+    if knee and any(s.weight != 1 for s in rows):
+        knee = False
+    bw = swap_bandwidth if swap_bandwidth and swap_bandwidth > 0 else None
+    y = [s.duration_s - (s.swapped_bytes / bw if bw else 0.0) for s in rows]
     w = [s.weight for s in rows]
+    tok = [s.batched_tokens for s in rows]
+    sc = {  # column scales: keep the Gram matrix well conditioned (tokens ~1e3, pairs ~1e8)
+        "c_tok": max(1.0, max(abs(t) for t in tok)),
+        "c_ctx": max(1.0, max(abs(s.context_tokens) for s in rows)),
+        "c_pair": max(1.0, max(abs(s.prefill_pairs) for s in rows)),
+    }
+    present = {"c0": True, "c_tok": any(tok), "c_ctx": any(s.context_tokens for s in rows),
+               "c_pair": any(s.prefill_pairs for s in rows)}
+    ctx = [s.context_tokens / sc["c_ctx"] for s in rows]
+    pairs = [s.prefill_pairs / sc["c_pair"] for s in rows]
     wsum = sum(w)
     ymean = sum(wi * yi for wi, yi in zip(w, y)) / wsum
-    best: tuple[float, dict[str, float]] | None = None
-    names = list(cols)
-    for k in range(len(names), 0, -1):
-        for subset in itertools.combinations(names, k):
-            if subset != ("c0",) and all(max(cols[n]) - min(cols[n]) < 1e-12 for n in subset if n != "c0") \
-                    and "c0" in subset:
-                continue  # a constant column next to the intercept: not identifiable
-            if any(all(v == 0 for v in cols[n]) for n in subset):
-                continue
-            a = [[sum(wi * cols[p][i] * cols[q][i] for i, wi in enumerate(w)) for q in subset] for p in subset]
-            b = [sum(wi * cols[p][i] * y[i] for i, wi in enumerate(w)) for p in subset]
-            sol = _solve(a, b)
-            if sol is None or any(c < 0 for c in sol):
-                continue
-            coef = dict(zip(subset, sol))
-            sse = sum(wi * (yi - sum(coef[n] * cols[n][i] for n in subset)) ** 2
-                      for i, (wi, yi) in enumerate(zip(w, y)))
-            if best is None or sse < best[0] - 1e-18 * max(1.0, best[0]):
-                best = (sse, coef)
+    yy = sum(wi * yi * yi for wi, yi in zip(w, y))
+    best: tuple[float, float, dict[str, float]] | None = None
+
+    def at(k: float) -> None:
+        nonlocal best
+        cols = {"c0": [1.0] * len(rows), "c_tok": [max(k, t) / sc["c_tok"] for t in tok],
+                "c_ctx": ctx, "c_pair": pairs}
+        names = [n for n in TERMS if present[n]]
+        gram = {(p, q): sum(wi * a * b for wi, a, b in zip(w, cols[p], cols[q])) for p in names for q in names}
+        rhs = {p: sum(wi * a * yi for wi, a, yi in zip(w, cols[p], y)) for p in names}
+        for r in range(len(names), 0, -1):
+            for subset in itertools.combinations(names, r):
+                if k > 0 and "c_tok" not in subset:
+                    continue  # a knee without the token term is the knee-0 model
+                sol = _solve([[gram[p, q] for q in subset] for p in subset], [rhs[p] for p in subset])
+                if sol is None or any(c < 0 for c in sol):
+                    continue
+                sse = yy - 2 * sum(c * rhs[p] for c, p in zip(sol, subset)) + sum(
+                    ci * cj * gram[p, q] for ci, p in zip(sol, subset) for cj, q in zip(sol, subset))
+                sse = max(0.0, sse)
+                if best is None or sse < best[0] * (1 - 1e-9) - 1e-30:
+                    best = (sse, k, dict(zip(subset, sol)))
+
+    for k in (_knees(max(tok)) if knee else [0.0]):
+        at(k)
+    if best is not None and best[1] > 0:  # refine the knee between its grid neighbours
+        k0 = best[1]
+        for i in range(1, 10):
+            at(k0 / 1.25 + (k0 * 1.25 - k0 / 1.25) * i / 10)
     if best is None:
         return None
-    sse, coef = best
-    rel = math.sqrt(sse / wsum) / ymean if ymean > 0 else 0.0
+    sse, k, coef = best
+    c_tok = coef.get("c_tok", 0.0) / sc["c_tok"]
     return StepCostFit(
-        c0=coef.get("c0", 0.0), c_tok=coef.get("c_tok", 0.0) / sc_tok, c_ctx=coef.get("c_ctx", 0.0) / sc_ctx,
-        samples=len(rows), rel_rmse=rel, terms=tuple(sorted(coef)))
+        c0=coef.get("c0", 0.0), c_tok=c_tok, c_ctx=coef.get("c_ctx", 0.0) / sc["c_ctx"],
+        c_pair=coef.get("c_pair", 0.0) / sc["c_pair"], knee_tokens=k if c_tok > 0 else 0.0,
+        samples=len(rows), rel_rmse=math.sqrt(sse / wsum) / ymean if ymean > 0 else 0.0,
+        terms=tuple(n for n in TERMS if n in coef))
 
 
-def samples_from_buckets(durations: Sequence[tuple[float, float, float, float]]) -> list[StepSample]:
-    """Rows of (mean duration, mean batched tokens, mean context tokens, step count) -- e.g. one per
-    scrape interval, from the histograms' ``_sum``/``_count`` increases -- as weighted samples."""
-    return [StepSample(d, t, c, n) for d, t, c, n in durations if n > 0]
+def samples_from_windows(rows: Sequence[tuple[float, float, float, float]]) -> list[StepSample]:
+    """Rows of (mean duration, mean batched tokens, mean context tokens, step count) -- one per
+    scrape interval, from the step histograms' ``_sum``/``_count`` increases -- as weighted samples."""
+    return [StepSample(d, t, c, n) for d, t, c, n in rows if n > 0]
+
+
+def samples_from_engine_steps(steps: Iterable[dict]) -> list[StepSample]:
+    """The engine's step log (``GET /kvtune/v1/steps``) as samples."""
+    out = []
+    for s in steps:
+        try:
+            d = float(s.get("runner_s") or s["duration_s"])
+            out.append(StepSample(d, float(s.get("batched_tokens", 0)), float(s.get("decode_context_tokens", 0)),
+                                  1.0, float(s.get("prefill_pairs", 0) or 0),
+                                  float(s.get("swapped_bytes", 0) or 0)))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out

@@ -26,11 +26,17 @@ GiB = 1024 ** 3
 
 @dataclass(frozen=True, slots=True)
 class StepSample:
-    """Engine step timing: one step, or the mean of ``weight`` steps (a histogram's sum/count)."""
+    """Engine step timing: one step, or the mean of ``weight`` steps (a histogram's sum/count).
+
+    ``context_tokens``: sum of the context lengths of the step's decodes; ``prefill_pairs``: causal
+    (query, key) pairs of its prefill chunks; ``swapped_bytes``: bytes copied in or out of the swap
+    pool. Unknown figures stay 0 (the fit then leaves their term out)."""
     duration_s: float
     batched_tokens: float
     context_tokens: float = 0.0
     weight: float = 1.0
+    prefill_pairs: float = 0.0
+    swapped_bytes: float = 0.0
 
 
 def _q(sorted_values: list[float], q: float) -> float:
@@ -125,6 +131,7 @@ class Observation:
     kv_usage_peak: float | None = None
     internal_fragmentation_mean: float = 0.0
     cached_blocks_share: float | None = None     # idle prefix-cached blocks / total (mean)
+    shared_blocks_share: float | None = None     # blocks referenced by more than one request / total (mean)
     prefix_cache_hit_rate: float | None = None   # hit tokens / queried tokens
     # preemptions (counts in the window) and swap
     preemptions_swap: int = 0
@@ -191,39 +198,46 @@ class Observation:
         pre = s.get("preemptions", {}) or {}
         share = {k: float(v) for k, v in (s.get("waiting_cause_share") or {}).items()}
         lengths = LengthStats.from_trace(trace) if trace is not None else None
-        mem = dict(s.get("memory_bytes") or s.get("memory") or {})
-        q = s.get("queues") or {}
+        mem = {k: float(v) for k, v in dict(s.get("memory_bytes") or s.get("memory") or {}).items()
+               if k in ("weights", "activations_peak", "kv_cache", "swap", "device_total")}
+        states = s.get("kv_blocks_mean_share") or {}
+        pc = s.get("prefix_cache") or {}
+        reqs = s.get("requests") or {}
+        hit = None
+        if config.enable_prefix_caching and pc.get("query_tokens"):
+            hit = float(pc.get("hit_rate", pc.get("hit_tokens", 0) / pc["query_tokens"]))
         return cls(
             config=config, source="sim",
             window_s=float(window_s if window_s is not None else s.get("duration_s", 0.0) or 0.0),
-            waiting_cause_share=share,
+            waiting_cause_share={k: v for k, v in share.items() if k != "none"},
             num_blocks=int(s.get("num_blocks", 0) or 0),
             kv_usage_mean=float(s.get("kv_usage_mean", 0.0) or 0.0),
             kv_usage_peak=_opt(s.get("kv_usage_peak")),
             internal_fragmentation_mean=float(s.get("internal_fragmentation_mean", 0.0) or 0.0),
-            cached_blocks_share=_opt(s.get("cached_blocks_share", s.get("kv_cached_share_mean"))),
-            prefix_cache_hit_rate=_opt(s.get("prefix_cache_hit_rate")),
+            cached_blocks_share=_opt(states.get("cached")),
+            shared_blocks_share=_opt(s.get("shared_blocks_mean_share")),
+            prefix_cache_hit_rate=hit,
             preemptions_swap=int(pre.get("swap", 0) or 0),
             preemptions_recompute=int(pre.get("recompute", 0) or 0),
             swap_full=int(pre.get("swap_full", 0) or 0),
             swap_usage_peak=float(s.get("swap_usage_peak", 0.0) or 0.0),
-            swap_blocks=_opt_int(s.get("swap_blocks", s.get("num_swap_blocks"))),
+            swap_blocks=_opt_int(s.get("num_swap_blocks")),
             memory=mem,
-            queue_time_p50_s=float(s.get("queue_time_p50_s", 0.0) or 0.0),
-            queue_time_p99_s=float(s.get("queue_time_p99_s", 0.0) or 0.0),
-            ttft_p50_s=float(s.get("ttft_p50_s", 0.0) or 0.0),
-            ttft_p99_s=float(s.get("ttft_p99_s", 0.0) or 0.0),
-            tpot_p50_s=float(s.get("tpot_p50_s", 0.0) or 0.0),
-            tpot_p99_s=float(s.get("tpot_p99_s", 0.0) or 0.0),
-            output_tokens_per_s=float(s.get("output_tokens_per_s", 0.0) or 0.0),
-            requests_per_s=float(s.get("requests_per_s", 0.0) or 0.0),
-            goodput_requests_per_s=float(s.get("goodput_requests_per_s", 0.0) or 0.0),
-            requests_finished=int(s.get("requests_finished", s.get("num_requests", 0)) or 0),
-            requests_rejected=int(s.get("requests_rejected", 0) or 0),
-            running_mean=float(s.get("running_mean", q.get("running_mean", 0.0)) or 0.0),
-            running_peak=float(s.get("running_peak", s.get("running_max", q.get("running_peak", 0.0))) or 0.0),
-            waiting_mean=float(s.get("waiting_mean", q.get("waiting_mean", 0.0)) or 0.0),
-            waiting_peak=float(s.get("waiting_peak", s.get("waiting_max", q.get("waiting_peak", 0.0))) or 0.0),
+            queue_time_p50_s=float(s.get("queue_time_p50_s") or 0.0),
+            queue_time_p99_s=float(s.get("queue_time_p99_s") or 0.0),
+            ttft_p50_s=float(s.get("ttft_p50_s") or 0.0),
+            ttft_p99_s=float(s.get("ttft_p99_s") or 0.0),
+            tpot_p50_s=float(s.get("tpot_p50_s") or 0.0),
+            tpot_p99_s=float(s.get("tpot_p99_s") or 0.0),
+            output_tokens_per_s=float(s.get("output_tokens_per_s") or 0.0),
+            requests_per_s=float(s.get("requests_per_s") or 0.0),
+            goodput_requests_per_s=float(s.get("goodput_requests_per_s") or 0.0),
+            requests_finished=int(reqs.get("finished", 0) or 0),
+            requests_rejected=int(reqs.get("rejected", 0) or 0),
+            running_mean=float(s.get("running_mean") or 0.0),
+            running_peak=float(s.get("running_max") or 0.0),
+            waiting_mean=float(s.get("queued_mean") or 0.0),
+            waiting_peak=float(s.get("queued_max") or 0.0),
             lengths=lengths,
             step_samples=tuple(step_samples),
             summary=dict(s),

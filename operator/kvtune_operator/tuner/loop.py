@@ -1,0 +1,230 @@
+"""The tuner's loop: observe -> (verify) -> diagnose -> candidates -> predict -> decide.
+
+``Tuner.round(obs, trace, now)`` is one tick of the loop; the operator's timer and ``kvtune tune``
+both call it. What happens with the result (apply it, only record it) is the caller's business:
+``Tuner.round(..., apply=False)`` (Recommend mode) decides without starting a verification.
+
+``simulate_loop`` runs the loop against the simulator standing in for the engine, window after
+window (``kvtune tune`` and ``bench/tuner_vs_oracle.py``): each window is measured by simulating it
+under the config in force (with the *true* profile, its steps recorded like the engine's step log),
+and the tuner predicts with the profile it fits from those measurements, exactly as it would in a
+cluster.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from kvtune_engine.config import EngineConfig
+from kvtune_engine.sim.profile import Profile
+from kvtune_engine.sim.simulator import SLO, simulate
+from kvtune_engine.sim.trace import TraceRequest
+
+from .candidates import Bounds, CandidateSet, Safety, combine, propose
+from .decide import Decision, Objectives, TunerState, Verdict, choose, config_key, window_figures
+from .diagnose import Diagnosis, Thresholds, diagnose
+from .fit import StepCostFit
+from .observation import Observation
+from .predict import Predictor, RecordingProfile, as_trace, fitted
+
+
+@dataclass(frozen=True)
+class TunerSettings:
+    bounds: Bounds = field(default_factory=Bounds)
+    objectives: Objectives = field(default_factory=Objectives)
+    safety: Safety = field(default_factory=Safety)
+    thresholds: Thresholds = field(default_factory=Thresholds)
+    #: search: single-knob moves, then combinations of the improving ones
+    combine: bool = True
+    #: a healthy window whose goodput share is at least this is left alone
+    healthy_goodput_share: float = 0.95
+
+    @property
+    def slo(self) -> SLO:
+        return SLO(self.objectives.slo_ttft_s, self.objectives.slo_tpot_s)
+
+
+@dataclass
+class Round:
+    """What one tick of the loop saw and decided."""
+    now: float
+    observation: Observation
+    diagnosis: Diagnosis
+    config: EngineConfig                  # the config to run from now on
+    verdict: Verdict | None = None        # the verification of the previous change, if one was pending
+    decision: Decision | None = None      # None: no decision this round (rolled back, or nothing to do)
+    fit: StepCostFit | None = None
+    predictions: int = 0
+    note: str = ""
+
+    @property
+    def changed(self) -> bool:
+        return self.decision is not None and self.decision.action == "change"
+
+
+def measured_figures(obs: Observation) -> dict[str, float]:
+    """The figures a verification compares, from one observed window."""
+    s = obs.summary or {
+        "goodput_requests_per_s": obs.goodput_requests_per_s, "output_tokens_per_s": obs.output_tokens_per_s,
+        "requests_per_s": obs.requests_per_s, "queue_time_p99_s": obs.queue_time_p99_s,
+        "preemptions": {"swap": obs.preemptions_swap, "recompute": obs.preemptions_recompute},
+        "duration_s": obs.window_s,
+    }
+    return window_figures(s)
+
+
+class Tuner:
+    """One tuner per deployment: settings, the memory between rounds (``state``) and the profile the
+    predictions start from (a named profile, or None to build it from the window's figures)."""
+
+    def __init__(self, settings: TunerSettings | None = None, *, base_profile: Profile | None = None,
+                 state: TunerState | None = None) -> None:
+        self.settings = settings or TunerSettings()
+        self.base_profile = base_profile
+        self.state = state or TunerState()
+
+    def round(self, obs: Observation, trace: Sequence[Any], now: float, *, apply: bool = True) -> Round:
+        st, s = self.state, self.settings
+        st.forget_expired(now)
+        verdict = None
+        cfg = obs.config
+        if st.phase == "Verifying":
+            verdict, nxt = st.verify(measured_figures(obs), now, s.objectives)
+            if not verdict.keep:
+                diag = diagnose(obs, s.thresholds, s.safety, s.bounds)
+                return Round(now, obs, diag, nxt, verdict=verdict, note="rolled back; no new decision on "
+                             "a window measured under the rolled-back config")
+        diag = diagnose(obs, s.thresholds, s.safety, s.bounds)
+        share = obs.goodput_requests_per_s / obs.requests_per_s if obs.requests_per_s > 0 else 0.0
+        if diag.cause == "Healthy" and share >= s.healthy_goodput_share:
+            return Round(now, obs, diag, cfg, verdict=verdict, note="healthy: nothing to change")
+        tr = as_trace(trace)
+        if not tr:
+            return Round(now, obs, diag, cfg, verdict=verdict, note="no trace: nothing to predict with")
+        profile, fit = fitted(obs, self.base_profile)
+        pred = Predictor(profile, s.slo)
+        baseline = pred.predict(tr, cfg)
+        if baseline is None:
+            return Round(now, obs, diag, cfg, verdict=verdict, fit=fit,
+                         note="the current config does not fit the fitted memory picture")
+        cands = self.candidates(obs, diag)
+        preds = pred.predict_many(tr, cands.configs)
+        if s.combine:
+            base_score = _score(baseline, s.objectives)
+            improving = sorted((p for p in preds if _score(p[1], s.objectives).beats(base_score, 0.0)
+                                and not st.is_bad(p[0], now)),
+                               key=lambda p: _key(p[1], s.objectives), reverse=True)
+            combos = combine(cfg, [c for c, _ in improving], s.bounds)
+            preds += pred.predict_many(tr, combos)
+        decision = choose(cfg, baseline, preds, s.objectives, state=st, now=now)
+        out = Round(now, obs, diag, cfg, verdict=verdict, decision=decision, fit=fit, predictions=pred.runs)
+        if decision.action == "change" and apply:
+            st.begin(decision, measured_figures(obs), now)
+            out.config = decision.config
+        return out
+
+    def candidates(self, obs: Observation, diag: Diagnosis) -> CandidateSet:
+        s = self.settings
+        cs = propose(obs, s.bounds, safety=s.safety, cause=diag.cause, slo_tpot_s=s.objectives.slo_tpot_s)
+        if diag.suggestion:
+            from .candidates import _try
+            cs.add(_try(obs.config, s.bounds, **diag.suggestion), f"diagnosis: {diag.suggestion}")
+        return cs
+
+
+def _score(summary: Mapping[str, Any], objectives: Objectives):
+    from .decide import Score
+    return Score.of(summary, objectives)
+
+
+def _key(summary: Mapping[str, Any], objectives: Objectives) -> tuple:
+    sc = _score(summary, objectives)
+    return (sc.feasible, sc.goodput, sc.throughput, sc.neg_recompute)
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop against the simulator
+
+
+@dataclass
+class WindowResult:
+    index: int
+    config: EngineConfig          # the config the window ran under
+    measured: Mapping[str, Any]   # simulator summary of the window (the "engine" measurement)
+    round: Round
+
+
+@dataclass
+class SimRun:
+    start: EngineConfig
+    final: EngineConfig
+    windows: list[WindowResult]
+    state: TunerState
+
+    @property
+    def restarts(self) -> int:
+        return self.state.restarts
+
+    @property
+    def applied(self) -> int:
+        return sum(1 for w in self.windows if w.round.changed)
+
+    @property
+    def rolled_back(self) -> int:
+        return sum(1 for w in self.windows if w.round.verdict is not None and not w.round.verdict.keep)
+
+
+def measure(trace: Sequence[TraceRequest], cfg: EngineConfig, truth: Profile, slo: SLO,
+            *, window_s: float | None = None) -> Observation:
+    """Run ``trace`` under ``cfg`` on the true profile, as the engine would have: the window's summary,
+    its trace and its step timings, as one observation."""
+    rec = RecordingProfile.of(truth)
+    summary = simulate(list(trace), cfg, rec, slo)
+    return Observation.from_sim_summary(summary, trace=trace, step_samples=rec.take_steps(), window_s=window_s,
+                                        config=cfg)
+
+
+def simulate_loop(windows: Sequence[Sequence[TraceRequest]], start: EngineConfig, truth: Profile,
+                  settings: TunerSettings, *, base_profile: Profile | None = None, window_s: float = 300.0,
+                  fit_costs: bool = True, stop_when_settled: bool = True,
+                  on_round: Callable[[WindowResult], None] | None = None) -> SimRun:
+    """The operator's loop with the simulator as the engine: window i runs under the config in force,
+    the tuner looks at it (verifying the last change first) and may change the config for window
+    i + 1. ``now`` advances ``window_s`` per window (cooldowns and memories are in the same seconds).
+
+    ``base_profile``: what the tuner knows before fitting (default: the truth's memory picture with
+    its costs refitted from the recorded steps when ``fit_costs``; the truth itself otherwise).
+    ``stop_when_settled``: stop after a window that neither verified nor decided a change.
+    """
+    tuner = Tuner(settings, base_profile=base_profile if base_profile is not None else truth)
+    cfg = start
+    results: list[WindowResult] = []
+    for i, w in enumerate(windows):
+        obs = measure(w, cfg, truth, settings.slo, window_s=None)
+        if not fit_costs:
+            obs = obs.with_(step_samples=())
+        r = tuner.round(obs, w, now=i * window_s)
+        wr = WindowResult(i, cfg, obs.summary or {}, r)
+        results.append(wr)
+        if on_round is not None:
+            on_round(wr)
+        cfg = r.config
+        if stop_when_settled and r.verdict is None and not r.changed and (r.decision is None or not r.decision.barred):
+            break
+    return SimRun(start, cfg, results, tuner.state)
+
+
+def split_windows(trace: Sequence[TraceRequest], n: int) -> list[list[TraceRequest]]:
+    """``n`` consecutive windows of a trace (equal request counts), each re-based to start at 0."""
+    tr = sorted(trace, key=lambda r: r.arrival_s)
+    size = max(1, len(tr) // n)
+    out = []
+    for i in range(n):
+        part = tr[i * size:(i + 1) * size] if i < n - 1 else tr[i * size:]
+        if part:
+            out.append(as_trace(part))
+    return out
+
+
+__all__ = ["Round", "SimRun", "Tuner", "TunerSettings", "WindowResult", "config_key", "measure",
+           "measured_figures", "simulate_loop", "split_windows"]

@@ -1,0 +1,150 @@
+"""Predict a candidate config: replay the window's trace through the simulator.
+
+The profile the prediction runs on is the engine's own picture: memory from the observation's
+``memory`` figures (device total, weights, activation peak; K/V bytes per token from the KV cache
+bytes and block count), step costs fitted from the engine's step timings (``fit.fit_step_cost``).
+A named profile, when known, fills what the window did not measure (activation bytes per batched
+token, host memory, swap bandwidth, and every cost when there are no step samples).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from pydantic import PrivateAttr
+
+from kvtune_engine.config import ConfigError, EngineConfig
+from kvtune_engine.sim.profile import Profile
+from kvtune_engine.sim.simulator import SLO, simulate
+from kvtune_engine.sim.trace import TraceRequest, parse_request
+
+from .fit import StepCostFit, fit_step_cost
+from .observation import GiB, Observation, StepSample
+
+
+class RecordingProfile(Profile):
+    """A profile that also logs every step the simulated runner charges (the simulator's "engine
+    step timings", as the real engine's ``/kvtune/v1/steps`` would give them)."""
+
+    _steps: list = PrivateAttr(default_factory=list)
+
+    def step_time(self, batched_tokens: int, decode_context_tokens: int, prefill_pairs: float = 0.0,
+                  swapped_bytes: int = 0) -> float:
+        t = super().step_time(batched_tokens, decode_context_tokens, prefill_pairs, swapped_bytes)
+        self._steps.append(StepSample(t, batched_tokens, decode_context_tokens, 1.0, prefill_pairs, swapped_bytes))
+        return t
+
+    def take_steps(self) -> list[StepSample]:
+        s, self._steps = self._steps, []
+        return s
+
+    @classmethod
+    def of(cls, profile: Profile) -> "RecordingProfile":
+        return cls.model_validate(profile.model_dump())
+
+
+def as_trace(records: Iterable[Any]) -> list[TraceRequest]:
+    """Trace records (TraceRequest, or dicts in the JSONL format, e.g. the engine's /kvtune/v1/trace)."""
+    out = []
+    for r in records:
+        if isinstance(r, TraceRequest):
+            out.append(r)
+        else:
+            d = dict(r)
+            if not d.get("output_tokens"):
+                continue  # an unfinished request in the engine's log: its length is not known yet
+            out.append(parse_request({k: v for k, v in d.items() if v is not None}))
+    out.sort(key=lambda r: r.arrival_s)
+    if out:
+        t0 = out[0].arrival_s
+        if t0 > 0:
+            out = [TraceRequest(r.arrival_s - t0, r.prompt_tokens, r.output_tokens, r.prefix_group, r.prefix_tokens)
+                   for r in out]
+    return out
+
+
+def profile_for(obs: Observation | None, base: Profile | None = None, fit: StepCostFit | None = None) -> Profile:
+    """The profile predictions run on: ``base`` with the window's memory figures and fitted costs."""
+    upd: dict[str, Any] = {}
+    if obs is not None:
+        m = obs.memory
+        total = float(m.get("device_total", 0) or 0)
+        kv = float(m.get("kv_cache", 0) or 0)
+        if total > 0 and obs.config.kv_cache_memory is None:
+            upd["device_total_bytes"] = int(total)
+            if "weights" in m:
+                upd["weights_bytes"] = int(m["weights"])
+            if "activations_peak" in m:
+                per_tok = (base.activation_bytes_per_batched_token if base is not None
+                           else float(m["activations_peak"]) / max(1, obs.config.max_num_batched_tokens))
+                upd["activation_bytes_per_batched_token"] = per_tok
+                upd["activation_base_bytes"] = max(
+                    0, int(float(m["activations_peak"]) - per_tok * obs.config.max_num_batched_tokens))
+        if base is None:
+            if kv <= 0 or obs.num_blocks <= 0:
+                raise ValueError("no profile: the window has no KV memory figures and no named profile was given")
+            kv_per_tok = kv / (obs.num_blocks * obs.config.block_size)
+            # any (layers, heads, head_dim, dtype) with the measured K/V bytes per token will do
+            upd.update(num_layers=1, num_kv_heads=1, head_dim=max(1, int(round(kv_per_tok / 2))), kv_dtype_bytes=1)
+    if fit is not None:
+        upd.update(step_overhead_s=fit.c0, per_token_s=fit.c_tok, weights_read_s=fit.weights_read_s,
+                   per_context_token_s=fit.c_ctx, per_prefill_pair_s=fit.c_pair)
+    if base is None:
+        defaults = dict(name="fitted", description="fitted from the engine's own figures",
+                        device_total_bytes=upd.pop("device_total_bytes", 80 * GiB), weights_bytes=0,
+                        activation_base_bytes=0, activation_bytes_per_batched_token=0.0, num_layers=1,
+                        num_kv_heads=1, head_dim=64, kv_dtype_bytes=2, host_bytes=64 * GiB,
+                        swap_bandwidth_bytes_per_s=12e9, step_overhead_s=0.005, weights_read_s=0.0,
+                        per_token_s=1e-5, per_context_token_s=1e-8, per_prefill_pair_s=0.0)
+        defaults.update(upd)
+        return Profile(**defaults)
+    if upd:
+        upd.setdefault("name", base.name + "+fitted" if fit is not None else base.name)
+        return Profile.model_validate({**base.model_dump(), **upd})
+    return base
+
+
+@dataclass
+class Predictor:
+    """Simulator runs of one trace under candidate configs, cached by config."""
+    profile: Profile
+    slo: SLO = field(default_factory=SLO)
+    runs: int = 0
+    _cache: dict[str, Mapping[str, Any] | None] = field(default_factory=dict, repr=False)
+    _trace_id: int | None = field(default=None, repr=False)
+
+    def predict(self, trace: Sequence[TraceRequest], cfg: EngineConfig) -> Mapping[str, Any] | None:
+        """The simulator summary, or None when the config does not fit the device (no KV block fits,
+        swap beyond host memory)."""
+        if self._trace_id != id(trace):
+            self._cache.clear()
+            self._trace_id = id(trace)
+        key = cfg.model_dump_json()
+        if key not in self._cache:
+            try:
+                self.profile.kv_cache_size(cfg)
+            except ConfigError:
+                self._cache[key] = None
+                return None
+            self.runs += 1
+            self._cache[key] = simulate(list(trace), cfg, self.profile, self.slo)
+        return self._cache[key]
+
+    def predict_many(self, trace: Sequence[TraceRequest], cfgs: Iterable[EngineConfig]
+                     ) -> list[tuple[EngineConfig, Mapping[str, Any]]]:
+        out = []
+        for c in cfgs:
+            s = self.predict(trace, c)
+            if s is not None:
+                out.append((c, s))
+        return out
+
+
+def fitted(obs: Observation, base: Profile | None, *, min_samples: int = 50) -> tuple[Profile, StepCostFit | None]:
+    """``profile_for`` with costs fitted from the observation's step samples when there are enough."""
+    fit = None
+    if len(obs.step_samples) >= min_samples or (obs.step_samples and all(s.weight > 1 for s in obs.step_samples)
+                                                 and len(obs.step_samples) >= 3):
+        bw = base.swap_bandwidth_bytes_per_s if base is not None else None
+        fit = fit_step_cost(obs.step_samples, swap_bandwidth=bw)
+    return profile_for(obs, base, fit), fit
