@@ -28,20 +28,22 @@ def lognormal_int(rng: random.Random, mean: float, sigma: float, low: int, high:
 def arrivals(rng: random.Random, n: int, rate: float, process: str = "poisson",
              burstiness: float = 3.0) -> list[float]:
     """n arrival times at `rate` requests/s on average. poisson: exponential gaps; bursty: gamma
-    gaps with coefficient of variation `burstiness` (> 1: clumps of requests, then lulls)."""
+    gaps with coefficient of variation `burstiness` (> 1: clumps of requests, then lulls).
+    Rounded to microseconds, as the trace file stores them, so a trace replays the same from
+    memory and from its file."""
     if rate <= 0:
         raise ValueError(f"rate must be > 0 (got {rate})")
     t, out = 0.0, []
     if process == "poisson":
         for _ in range(n):
-            out.append(t)
+            out.append(round(t, 6))
             t += rng.expovariate(rate)
     elif process == "bursty":
         if burstiness <= 0:
             raise ValueError(f"burstiness must be > 0 (got {burstiness})")
         k = 1.0 / (burstiness * burstiness)       # gamma shape; mean gap k * theta = 1 / rate
         for _ in range(n):
-            out.append(t)
+            out.append(round(t, 6))
             t += rng.gammavariate(k, 1.0 / (rate * k))
     else:
         raise ValueError(f"arrival process must be poisson or bursty (got {process!r})")
@@ -120,7 +122,7 @@ def _long_prompt(seed: int) -> list[TraceRequest]:
     short = mix(requests=1000, rate=8.0, prompt_mean=300, prompt_sigma=0.5, output_mean=400,
                 output_sigma=0.5, max_tokens=4096, seed=seed + 1)
     end = short[-1].arrival_s
-    longs = [TraceRequest(end * f, rng.randint(32720, 32760), 8) for f in (0.15, 0.35, 0.55, 0.75, 0.95)]
+    longs = [TraceRequest(round(end * f, 6), rng.randint(32720, 32760), 8) for f in (0.15, 0.35, 0.55, 0.75, 0.95)]
     return sorted(short + longs, key=lambda r: r.arrival_s)
 
 
@@ -163,7 +165,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
              "short sequences leave most of each 128-token block empty (high internal fragmentation), "
              "so the cache holds few sequences and requests wait on kv_blocks",
              "h200-qwen3-0.6b", {"block_size": 128, "gpu_memory_utilization": 0.04, "max_num_seqs": 1024},
-             {"block_size": 16}, 1.0, 0.05, _block_waste),
+             {"block_size": 16}, 0.25, 0.05, _block_waste),
     Scenario("low-memory",
              "preemptions climb under load while a large part of the GPU memory is left unused",
              "a100-llama3-8b", {"gpu_memory_utilization": 0.5}, {"gpu_memory_utilization": 0.9},
