@@ -57,14 +57,24 @@ def dense_attention(q, k, v, q_pos, scale):
 @pytest.mark.parametrize("bs", [8, 16, 32, 64, 128])
 @pytest.mark.parametrize("hq,hk", [(4, 4), (8, 2)])
 def test_decode_reference_matches_dense(bs, hq, hk):
-    d, lens = 16, [1, 7, bs, bs + 1, 3 * bs - 2, 70]
+    d, lens = 16, [70, 1, bs + 1, 7, bs, 3 * bs - 2]
     kc, vc, bt, dense = make_cache(lens, hk, d, bs, seed=bs + hq)
     q = torch.randn(len(lens), hq, d)
     scale = 1 / math.sqrt(d)
-    out = paged_decode_reference(q, kc, vc, bt, lens, scale, bucket=4)  # several buckets, sorted
-    for i, (n, (k, v)) in enumerate(zip(lens, dense)):
-        ref = dense_attention(q[i:i + 1], k, v, [n - 1], scale)
-        torch.testing.assert_close(out[i:i + 1].double(), ref, atol=ATOL, rtol=0)
+    # one bucket in batch order, and a budget of ~3 sequences' K/V: several buckets sorted by length
+    for budget in (1 << 30, 3 * 70 * 2 * hk * d * 4):
+        out = paged_decode_reference(q, kc, vc, bt, lens, scale, bucket_bytes=budget)
+        for i, (n, (k, v)) in enumerate(zip(lens, dense)):
+            ref = dense_attention(q[i:i + 1], k, v, [n - 1], scale)
+            torch.testing.assert_close(out[i:i + 1].double(), ref, atol=ATOL, rtol=0)
+
+
+def test_decode_buckets_sort_and_respect_the_budget():
+    from kvtune_engine.attention.reference import decode_buckets
+    lens = [50, 10, 400, 30, 390, 20]
+    b = decode_buckets(lens, bytes_per_token=10, budget=1000, max_bucket=3)
+    assert b == [[1, 5, 3], [0], [4], [2]]
+    assert all(len(x) * max(lens[i] for i in x) * 10 <= 1000 or len(x) == 1 for x in b)
 
 
 @pytest.mark.parametrize("bs", [8, 32, 128])

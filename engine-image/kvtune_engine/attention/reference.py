@@ -1,9 +1,9 @@
 """Plain-PyTorch paged attention: the reference for the Triton kernel and the fast path on CPU.
 
-Decodes are sorted by context length and cut into buckets. A bucket gathers its sequences' blocks
-(`index_select` of whole blocks, the fastest gather torch has) and never reshuffles them: scores are
-computed per (sequence, block, kv head) tile with one batched matmul, the softmax runs over the
-(block, slot) axes, and P @ V is summed over blocks. Sorting keeps the padding of a bucket small.
+Decodes are sorted by context length and cut into buckets of a few MiB of K/V. A bucket gathers its
+sequences' blocks (`index_select` of whole blocks, the fastest gather torch has) and never reshuffles
+them: scores are computed per (sequence, block, kv head) tile with one batched matmul, the softmax runs
+over the (block, slot) axes, and P @ V is summed over blocks. Sorting keeps a bucket's padding small.
 Prefill chunks use torch's SDPA one sequence at a time: a fresh prompt uses its own K/V with a causal
 mask; a chunk after a cached prefix reads prefix and chunk back from the cache.
 """
@@ -14,7 +14,27 @@ import torch.nn.functional as F
 
 from .metadata import AttentionMetadata
 
-DECODE_BUCKET = 32  # sequences per gathered decode bucket
+#: Bytes of gathered K+V per decode bucket: small enough to stay in the last-level cache between
+#: the gather and the two matmuls that read it, large enough to amortise per-op overhead.
+BUCKET_BYTES = 8 << 20
+MAX_BUCKET = 64
+
+
+def decode_buckets(lens: list[int], bytes_per_token: int, budget: int = BUCKET_BYTES,
+                   max_bucket: int = MAX_BUCKET) -> list[list[int]]:
+    """Sequence indices grouped by context length (ascending), each group within the byte budget
+    at its longest member's length."""
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    out: list[list[int]] = []
+    cur: list[int] = []
+    for i in order:
+        if cur and ((len(cur) + 1) * lens[i] * bytes_per_token > budget or len(cur) == max_bucket):
+            out.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        out.append(cur)
+    return out
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -27,37 +47,37 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: list[int], scale: float,
-                           bucket: int = DECODE_BUCKET) -> torch.Tensor:
+                           bucket_bytes: int = BUCKET_BYTES) -> torch.Tensor:
     """q [N, q_heads, d] (one token per sequence) -> [N, q_heads, d]."""
     n, hq, d = q.shape
     _, hk, bs, _ = k_cache.shape
     g = hq // hk
     dev = q.device
-    out = torch.empty_like(q)
-    lens = torch.tensor(context_lens, dtype=torch.int64)
-    order = torch.argsort(lens, stable=True) if n > bucket else None
+    buckets = decode_buckets(context_lens, 2 * hk * d * k_cache.element_size(), bucket_bytes)
+    whole = len(buckets) == 1
+    if whole:
+        buckets = [list(range(n))]  # one bucket: keep the batch order, no scatter back
+    out = q.new_empty(q.shape) if not whole else None
     slot = torch.arange(bs, device=dev)
-    for i in range(0, n, bucket):
-        idx = order[i:i + bucket].to(dev) if order is not None else None
-        blens = lens[i:i + bucket] if idx is None else lens[order[i:i + bucket]]
-        c = len(blens)
-        nb = -(-int(blens.max()) // bs)
-        bt = block_tables[i:i + c] if idx is None else block_tables.index_select(0, idx)
-        bt = bt[:, :nb].reshape(-1)
+    for b in buckets:
+        c = len(b)
+        blens = [context_lens[i] for i in b]
+        nb = -(-max(blens) // bs)
+        idx = None if whole else torch.tensor(b, device=dev)
+        bt = (block_tables if whole else block_tables.index_select(0, idx))[:, :nb].reshape(-1)
         kb = k_cache.index_select(0, bt).view(c, nb, hk, bs, d)
         vb = v_cache.index_select(0, bt).view(c, nb, hk, bs, d)
-        qb = (q[i:i + c] if idx is None else q.index_select(0, idx)).view(c, 1, hk, g, d)
-        s = torch.matmul(qb, kb.transpose(-1, -2)).float() * scale      # [c, nb, hk, g, bs]
-        pos = (torch.arange(nb, device=dev)[:, None] * bs + slot).view(1, nb, 1, 1, bs)
-        s.masked_fill_(pos >= blens.to(dev).view(c, 1, 1, 1, 1), float("-inf"))
-        s = torch.exp(s - s.amax(dim=(1, 4), keepdim=True))
+        qb = (q if whole else q.index_select(0, idx)).view(c, 1, hk, g, d)
+        s = torch.matmul(qb, kb.transpose(-1, -2)).float()               # [c, nb, hk, g, bs]
+        if min(blens) < nb * bs:
+            pos = (torch.arange(nb, device=dev)[:, None] * bs + slot).view(1, nb, 1, 1, bs)
+            s.masked_fill_(pos >= torch.tensor(blens, device=dev).view(c, 1, 1, 1, 1), float("-inf"))
+        s = torch.exp((s - s.amax(dim=(1, 4), keepdim=True)).mul_(scale))  # softmax numerator
         den = s.sum(dim=(1, 4), keepdim=True).squeeze(1)                 # [c, hk, g, 1]
-        o = (torch.matmul(s.to(vb.dtype), vb).sum(dim=1) / den).to(q.dtype)  # [c, hk, g, d]
-        o = o.reshape(c, hq, d)
-        if idx is None:
-            out[i:i + c] = o
-        else:
-            out.index_copy_(0, idx, o)
+        o = (torch.matmul(s.to(vb.dtype), vb).sum(dim=1) / den).to(q.dtype).reshape(c, hq, d)
+        if whole:
+            return o
+        out.index_copy_(0, idx, o)
     return out
 
 
