@@ -64,15 +64,14 @@ def test_greedy_tokens_and_logprobs_match_transformers(tiny_model, drive, arch, 
     reqs = [Request(p, SamplingParams(max_tokens=24, temperature=0.0, logprobs=5, ignore_eos=True)) for p in ps]
     _, lps = drive(runner, cfg, reqs)
     for r in reqs:
+        # teacher forcing on our output: if every token is transformers' argmax given the same
+        # prefix, transformers' greedy decoding produces exactly this sequence
         with torch.inference_mode():
-            ids = torch.tensor([r.prompt_token_ids])
-            want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)[0, ids.shape[1]:].tolist()
             logp = torch.log_softmax(hf(torch.tensor([r.all_token_ids])).logits[0].float(), -1)
-        assert r.output_token_ids == want
         n = r.num_prompt_tokens
         got = lps[r.request_id]
-        assert [x.token_id for x in got] == want
+        assert [x.token_id for x in got] == r.output_token_ids and len(got) == 24
+        assert r.output_token_ids == logp[n - 1:-1].argmax(-1).tolist()
         for j, x in enumerate(got):
             row = logp[n - 1 + j]
             assert abs(x.logprob - row[x.token_id].item()) < FP32_ATOL
@@ -94,3 +93,21 @@ def test_bfloat16_close_to_transformers_bfloat16(tiny_model, arch):
     top2 = ref.topk(2, -1).values
     clear = (top2[:, 0] - top2[:, 1]) > BF16_ATOL
     assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
+
+
+def test_same_text_as_transformers_generate(tiny_model, drive):
+    """End to end through the tokenizers: text in, greedy text out, as `generate` gives."""
+    from kvtune_engine.model import load_tokenizer
+    d = tiny_model("qwen2")
+    tok = load_tokenizer(d)
+    ids = tok.encode_chat([{"role": "user", "content": "Why does the queue wait?"}])
+    runner, cfg = ModelRunner(d, config(), seed=0), config()
+    r = Request(ids, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    drive(runner, cfg, [r])
+    hf = hf_model(d)
+    x = torch.tensor([ids])
+    want = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    assert r.output_token_ids == want
+    assert tok.decode(r.output_token_ids) == transformers.AutoTokenizer.from_pretrained(str(d)).decode(
+        want, skip_special_tokens=True)
