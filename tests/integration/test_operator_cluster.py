@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 import uuid
@@ -98,7 +100,8 @@ class OperatorProcess:
 @pytest.fixture(scope="module")
 def crd(controlplane):
     controlplane.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "crds"))
-    controlplane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    eventually(lambda: controlplane.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}",
+                                            "--timeout=10s", check=False).returncode == 0, what="the CRD established")
     eventually(lambda: controlplane.kubectl("get", "infd", "-A", check=False).returncode == 0,
                what="kubectl to discover infd")
     # the OpenAPI document (kubectl explain) is published a moment after the CRD is established
@@ -446,7 +449,9 @@ def test_helm_install_and_least_privilege_rbac(controlplane, crd, tmp_path):
 def test_engine_pod_applies_live_knobs(controlplane, crd, pod_node, tmp_path_factory):
     """The pod node runs the rendered container command: the engine reads the operator's ConfigMap,
     and a live knob edited in spec.engine reaches the running engine without a restart."""
-    model = tmp_path_factory.mktemp("model") / "tiny"
+    # Not under /tmp: the engine pod mounts an emptyDir there, which the pod node maps to its own dir.
+    model_root = Path(tempfile.mkdtemp(prefix="kvtune-model-", dir="/var/tmp"))
+    model = model_root / "tiny"
     subprocess.run([str(Path(sys.executable).with_name("kvtune")), "make-tiny-model", str(model)], check=True,
                    capture_output=True, timeout=300)
     ns = _make_namespace(controlplane, "op-engine")
@@ -458,8 +463,13 @@ def test_engine_pod_applies_live_knobs(controlplane, crd, pod_node, tmp_path_fac
             engine={"maxNumSeqs": 8, "maxModelLen": 256, "maxNumBatchedTokens": 256, "kvCacheMemoryGiB": 0.01,
                     "swapSpaceGiB": 0}))
         labels = {"kvtune.io/inference-deployment": "live"}
-        eventually(lambda: pod_node.urls_for_selector(ns, labels), timeout=120, what="the engine pod's process")
-        local = pod_node.wait_for_selector(ns, labels, count=1, timeout=180)[0]
+
+        def started():
+            pods = [p for p in pod_node.pods.values() if p.namespace == ns]
+            for p in pods:
+                assert p.returncode is None, f"engine exited {p.returncode}:\n{p.log_path.read_text()[-3000:]}"
+            return pod_node.wait_for_selector(ns, labels, count=1, timeout=1) if pods else None
+        local = eventually(started, timeout=180, interval=1, what="the engine pod's process to listen")[0]
         url = local.url
 
         def config():
@@ -475,3 +485,4 @@ def test_engine_pod_applies_live_knobs(controlplane, crd, pod_node, tmp_path_fac
     finally:
         op.stop()
         controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        shutil.rmtree(model_root, ignore_errors=True)
