@@ -35,9 +35,10 @@ class RequestRejected(ValueError):
 class _Seq(ScheduledSeq):
     """A running request's batch entry, kept and reused from step to step: a Batch's entries
     keep what was scheduled until the next schedule(). Between steps computed ==
-    request.num_computed_tokens and total == request.num_tokens; stop_at is the total at which
-    the request ends by length; stops the token ids that end it (None: none)."""
-    __slots__ = ("computed", "total", "stop_at", "stops", "plen")
+    request.num_computed_tokens and total == request.num_tokens; slots == len(block_table) *
+    block_size; stop_at is the total at which the request ends by length; stops the token ids
+    that end it (None: none)."""
+    __slots__ = ("computed", "total", "stop_at", "stops", "plen", "slots")
 
 
 class Scheduler:
@@ -154,7 +155,7 @@ class Scheduler:
             start = seq.computed
             n = seq.total - start
             if n == 1 and budget:                                  # a decode: the common case
-                if start >= len(seq.block_table) * bs and not self._grow(seq, 1, batch, now):
+                if start >= seq.slots and not self._grow(seq, 1, batch, now):
                     break
                 seq.start_pos = start
                 seq.num_tokens = 1
@@ -188,8 +189,9 @@ class Scheduler:
             if self.swapped or self.waiting:
                 cause = "kv_blocks"
         else:
-            cause, budget, ctx = self._admit(self.swapped, True, now, batch, budget, ctx)
-            if cause == "none":
+            if self.swapped:
+                cause, budget, ctx = self._admit(self.swapped, True, now, batch, budget, ctx)
+            if cause == "none" and self.waiting:
                 cause, budget, ctx = self._admit(self.waiting, False, now, batch, budget, ctx)
         self.stats.record_step(cause)
         batch.num_batched_tokens = cfg.max_num_batched_tokens - budget
@@ -201,28 +203,33 @@ class Scheduler:
         """Give a running request `need` more blocks, preempting the newest running requests
         (never ones already scheduled this step) until they fit. False when `seq` itself had to
         go: preempted, or finished because even alone it outgrows the whole cache."""
-        run, pool = self._run, self.kv.pool
-        while need > pool.num_allocatable and run[-1] is not seq:
-            self._preempt(run.pop().request, batch)
-            self._preempted = True
-        if need <= pool.num_allocatable:
-            self.kv.grow(seq.block_table, need)
-            return True
-        run.pop()                        # `seq` itself, now the newest running request
-        req = seq.request
-        if run:
-            self._preempt(req, batch)
-        else:                            # alone and still too big: the cache cannot hold it
-            req.error = (f"KV cache full: {seq.total} tokens need more than the "
-                         f"{self.num_blocks} blocks of {self.block_size} tokens")
-            self.stats.cache_limit_finishes += 1
-            self._release(req, FinishReason.LENGTH, now)
-            self._done_early.append(req)
-        return False
+        kv = self.kv
+        pool = kv.pool
+        if need > pool.num_allocatable:
+            run = self._run
+            while need > pool.num_allocatable and run[-1] is not seq:
+                self._preempt(run.pop().request, batch)
+                self._preempted = True
+            if need > pool.num_allocatable:
+                run.pop()                        # `seq` itself, now the newest running request
+                req = seq.request
+                if run:
+                    self._preempt(req, batch)
+                else:                            # alone and still too big: the cache cannot hold it
+                    req.error = (f"KV cache full: {seq.total} tokens need more than the "
+                                 f"{self.num_blocks} blocks of {self.block_size} tokens")
+                    self.stats.cache_limit_finishes += 1
+                    self._release(req, FinishReason.LENGTH, now)
+                    self._done_early.append(req)
+                return False
+        kv.grow(seq.block_table, need)
+        seq.slots += need * self.block_size
+        return True
 
     def _new_seq(self, req: Request, table: list[int], computed: int) -> _Seq:
         seq = _Seq(req, computed, 0, table, False)
         seq.computed = computed
+        seq.slots = len(table) * self.block_size
         plen = seq.plen = len(req.prompt_token_ids)
         seq.total = plen + len(req.output_token_ids)
         sp = req.sampling
@@ -426,6 +433,7 @@ class Scheduler:
             assert r.status is RUNNING
             assert s.computed == r.num_computed_tokens and s.total == r.num_tokens, "stale batch entry"
             assert s.block_table is self.kv.tables[r], "batch entry and KV manager disagree on the table"
+            assert s.slots == len(s.block_table) * self.block_size
         for r in self.waiting:
             assert r.status is WAITING and r not in self.kv.tables and r not in self.kv.host_tables
         for r in self.swapped:

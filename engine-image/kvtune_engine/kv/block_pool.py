@@ -59,8 +59,16 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         """n blocks with ref 1, whatever their ids. Free blocks first, then evict idle cached ones."""
         free = self._free
-        if n == 1 and free:                   # the common case: a decode crossing into a new block
-            b = free.pop()
+        if n == 1:                            # the common case: a decode crossing into a new block
+            if free:
+                b = free.pop()
+            elif self._idle:
+                b, _ = self._idle.popitem(last=False)
+                del self.cached[self.key_of[b]]
+                self.key_of[b] = None
+                self.num_evictions += 1
+            else:
+                raise NoFreeBlocks("asked for 1 block; none free or evictable")
             self.ref[b] = 1
             return [b]
         if n <= len(free):

@@ -118,7 +118,10 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
     schedule, execute, update = sched.schedule, runner.execute, sched.update
     pool, kv = sched.kv.pool, sched.kv
     nb, bs, reserve = size.num_blocks, config.block_size, sched.reserve_blocks
-    states = acc.states
+    waiting, swapped = sched.waiting, sched.swapped
+    busy = usage = frag = shared = running = free_t = reserved_t = cached_t = 0.0
+    running_max = queued_max = 0
+    swap_low = size.num_swap_blocks
     n_total, i, rejected = len(order), 0, 0
     now = start = trace[order[0]].arrival_s
 
@@ -149,32 +152,35 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
         dt = out.duration_s
         # the cache as it is during this step (blocks for the tokens being computed included),
         # weighted by the step's duration: what averaging a scraped gauge over time gives
-        used = pool.num_used
-        acc.busy_s += dt
-        acc.usage += used * dt
+        n_free, n_idle = pool.num_free, pool.num_cached_idle
+        used = nb - n_free - n_idle
+        busy += dt
+        usage += used * dt
         if used:
-            empty = kv.num_table_blocks * bs - sched.computed_tokens - batch.num_batched_tokens
-            acc.frag += empty / (used * bs) * dt
-        acc.shared += pool.num_shared * dt
+            frag += (kv.num_table_blocks * bs - sched.computed_tokens - batch.num_batched_tokens) / (used * bs) * dt
+        shared += pool.num_shared * dt
         nr = sched.num_running
-        acc.running += nr * dt
-        if nr > acc.running_max:
-            acc.running_max = nr
-        nq = len(sched.waiting) + len(sched.swapped)
-        if nq > acc.queued_max:
-            acc.queued_max = nq
-        free = pool.num_free
-        held = min(free, reserve)
-        states["free"] += (free - held) * dt
-        states["reserved"] += held * dt
-        states["used"] += used * dt
-        states["cached"] += pool.num_cached_idle * dt
-        if size.num_swap_blocks:
-            sw = sched.swap_usage_ratio
-            if sw > acc.swap_peak:
-                acc.swap_peak = sw
+        running += nr * dt
+        if nr > running_max:
+            running_max = nr
+        nq = len(waiting) + len(swapped)
+        if nq > queued_max:
+            queued_max = nq
+        held = n_free if n_free < reserve else reserve
+        free_t += (n_free - held) * dt
+        reserved_t += held * dt
+        cached_t += n_idle * dt
+        n_swap_free = kv.num_free_swap_blocks
+        if n_swap_free < swap_low:
+            swap_low = n_swap_free
         now += dt
-        acc.requests(update(batch, out, now))
+        done = update(batch, out, now)
+        if done:
+            acc.requests(done)
+    acc.busy_s, acc.usage, acc.frag, acc.shared, acc.running = busy, usage, frag, shared, running
+    acc.running_max, acc.queued_max = running_max, queued_max
+    acc.states.update(free=free_t, reserved=reserved_t, used=usage, cached=cached_t)
+    acc.swap_peak = 1.0 - swap_low / size.num_swap_blocks if size.num_swap_blocks else 0.0
     return _summary(acc, sched, size, config, profile, now - start, n_total, rejected)
 
 
