@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -34,8 +35,16 @@ def tiny_llama(tiny_model) -> Path:
     return tiny_model("llama")
 
 
+def set_test_threads() -> None:
+    """One torch thread unless KVTUNE_TEST_TORCH_THREADS says otherwise: on a small shared machine,
+    two OpenMP threads of tiny ops under oversubscription run ~40x slower than one."""
+    import torch
+    torch.set_num_threads(int(os.environ.get("KVTUNE_TEST_TORCH_THREADS", "1")))
+
+
 def build_engine(model_dir: Path, **flags: Any):
     from kvtune_engine.engine import LLMEngine
+    set_test_threads()
     cfg = EngineConfig.build(**{**TEST_FLAGS, **flags})
     return LLMEngine.from_model_dir(str(model_dir), cfg, device="cpu", seed=0)
 

@@ -115,7 +115,7 @@ def test_max_waiting_503(tiny_llama):  # noqa: F811
     with run_server(tiny_llama, max_num_seqs=1, max_waiting=1, enable_prefix_caching=False) as s:
         async def go():
             async with httpx.AsyncClient(timeout=60) as c:
-                body = {"prompt": "tell me a story", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+                body = {"prompt": "tell me a story", "max_tokens": 480, "temperature": 0, "ignore_eos": True}
                 first = asyncio.create_task(c.post(s.url + "/v1/completions", json=body))
                 for _ in range(500):                       # wait until it runs
                     if (await c.get(s.url + "/kvtune/v1/state")).json()["queues"]["running"] == 1:
@@ -125,7 +125,9 @@ def test_max_waiting_503(tiny_llama):  # noqa: F811
                 for _ in range(500):                       # wait until it waits
                     if (await c.get(s.url + "/kvtune/v1/state")).json()["queues"]["waiting"] == 1:
                         break
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.005)
+                else:
+                    raise AssertionError("the second request never waited")
                 third = await c.post(s.url + "/v1/completions", json=body)
                 return third, await first, await second
         third, first, second = asyncio.run(go())
