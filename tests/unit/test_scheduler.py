@@ -467,3 +467,13 @@ def test_property_tests_ran_enough_operations():
     if OPS["sched"] == 0:
         pytest.skip("the property test did not run in this session")
     assert OPS["sched"] >= 120 * 200
+
+
+def test_a_runner_that_skips_a_sampled_token_is_caught():
+    s = sched()
+    s.add_request(req(10))
+    b = s.schedule(0.0)
+    with pytest.raises(ValueError, match="returned 0 tokens for 1 sequences"):
+        s.update(b, StepOutput([], 1.0), 1.0)
+    with pytest.raises(ValueError, match="sampled no token"):
+        s.update(b, StepOutput([None], 1.0), 1.0)

@@ -334,6 +334,8 @@ class Scheduler:
     def update(self, batch: Batch, out: StepOutput, now: float) -> list[Request]:
         """Apply a step's results; returns the requests that finished in this step (including any
         the scheduler had to end inside schedule())."""
+        if len(out.tokens) != len(batch.seqs):
+            raise ValueError(f"the runner returned {len(out.tokens)} tokens for {len(batch.seqs)} sequences")
         finished, self._done_early = self._done_early, []
         kv = self.kv
         caching = self.config.enable_prefix_caching
@@ -349,6 +351,8 @@ class Scheduler:
             if caching and start < seq.plen:
                 kv.commit(req, end)
             if tok is None:                       # a prefill chunk that does not end the prompt
+                if seq.sample:
+                    raise ValueError(f"the runner sampled no token for {req.request_id}")
                 continue
             out_ids = req.output_token_ids
             if not out_ids:
