@@ -173,8 +173,11 @@ def tuner_conditions(existing: Iterable[dict[str, Any]] | None, mode: AutotuneMo
     return out
 
 
-def transition_event(old: dict[str, Any] | None, new: dict[str, Any]) -> tuple[str, str, str] | None:
-    """(type, reason, message) of the Event for a condition change worth telling, else None."""
+def transition_event(old: dict[str, Any] | None, new: dict[str, Any], *,
+                     progressing: bool = False) -> tuple[str, str, str] | None:
+    """(type, reason, message) of the Event for a condition change worth telling, else None.
+
+    Ready turning False during a rollout or a scale-up (`progressing`) is expected: a Normal event."""
     if old is not None and old.get("status") == new["status"] and old.get("reason") == new["reason"]:
         return None
     t, s = new["type"], new["status"]
@@ -187,7 +190,7 @@ def transition_event(old: dict[str, Any] | None, new: dict[str, Any]) -> tuple[s
         if s == "True":
             return "Normal", "Ready", new["message"]
         if old is not None and old.get("status") == "True":
-            return "Warning", "NotReady", new["message"]
+            return ("Normal" if progressing else "Warning"), "NotReady", new["message"]
     if t == PROGRESSING and new["reason"] in ("RolloutComplete", "ProgressDeadlineExceeded") \
             and old is not None and old.get("status") == "True":
         return ("Normal" if new["reason"] == "RolloutComplete" else "Warning"), new["reason"], new["message"]

@@ -25,6 +25,7 @@ from kvtune_operator.model import (
     AutotuneMode,
     InferenceDeploymentSpec,
     InferenceDeploymentStatus,
+    parse_duration,
     to_camel_dict,
     to_engine_dict,
 )
@@ -73,6 +74,30 @@ def autotune_mode(spec: InferenceDeploymentSpec, default: AutotuneMode | str) ->
     """spec.autotune.mode, or the operator's default."""
     mode = spec.autotune.mode if spec.autotune and spec.autotune.mode else default
     return AutotuneMode(mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutotunePlan:
+    """spec.autotune resolved against the operator's defaults (for the tuner's timer)."""
+
+    mode: AutotuneMode
+    interval_s: float
+    window_s: float
+    cooldown_s: float
+    prometheus_url: str
+
+
+def resolve_autotune(spec: InferenceDeploymentSpec, settings: Any) -> AutotunePlan:
+    """Mode, interval, window, cooldown and Prometheus URL: the spec's, else the operator's settings."""
+    a = spec.autotune
+    pick = lambda v, d: parse_duration(v if v else d)  # noqa: E731
+    return AutotunePlan(
+        mode=autotune_mode(spec, settings.autotune_mode),
+        interval_s=pick(a and a.interval, settings.autotune_interval),
+        window_s=pick(a and a.window, settings.autotune_window),
+        cooldown_s=pick(a and a.cooldown, settings.autotune_cooldown),
+        prometheus_url=spec.metrics.prometheus_url or settings.prometheus_url,
+    )
 
 
 def baseline_config(spec: InferenceDeploymentSpec) -> EngineConfig:

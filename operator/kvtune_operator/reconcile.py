@@ -232,10 +232,12 @@ class Reconciler:
             *c.tuner_conditions(conds, mode),
             *extra,
         ]
+        progressing = new_conds[1].status == "True"
         for cond in new_conds:
             before_cond = c.get_condition(conds, cond.type)
             conds = c.set_condition(conds, cond, generation=generation, now=now)
-            ev = c.transition_event(before_cond, c.get_condition(conds, cond.type))  # type: ignore[arg-type]
+            ev = c.transition_event(before_cond, c.get_condition(conds, cond.type),  # type: ignore[arg-type]
+                                    progressing=progressing)
             if ev:
                 outcome.events.append(EventSpec(*ev))
         tuning = dict(status.get("tuning") or {})

@@ -98,3 +98,5 @@ def test_transition_events():
     ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "1/1"}
     assert c.transition_event(None, ready) == ("Normal", "Ready", "1/1")
     assert c.transition_event(ready, {**ready, "status": "False", "message": "0/1"})[0:2] == ("Warning", "NotReady")
+    assert c.transition_event(ready, {**ready, "status": "False", "message": "1/2"},
+                              progressing=True)[0:2] == ("Normal", "NotReady")

@@ -100,3 +100,18 @@ def test_tuned_status_for_the_tuner():
         tuned_status(s, cur, {"max_num_seqs": 1000})
     with pytest.raises(ValueError):
         tuned_status(s, cur, {"max_model_len": 4096})
+
+
+def test_resolve_autotune_prefers_the_spec():
+    from kvtune_operator.effective import resolve_autotune
+    from kvtune_operator.settings import Settings
+
+    settings = Settings.from_env({})
+    plan = resolve_autotune(InferenceDeploymentSpec.model_validate({"model": {"path": "/m"}}), settings)
+    assert (plan.mode, plan.interval_s, plan.window_s, plan.cooldown_s) == ("Recommend", 60, 300, 900)
+    assert plan.prometheus_url == settings.prometheus_url
+    s = InferenceDeploymentSpec.model_validate({"model": {"path": "/m"}, "metrics": {"prometheusUrl": "http://p:9090"},
+                                                "autotune": {"mode": "Apply", "interval": "10s", "cooldown": "1m"}})
+    plan = resolve_autotune(s, settings)
+    assert (plan.mode, plan.interval_s, plan.window_s, plan.cooldown_s) == ("Apply", 10, 300, 60)
+    assert plan.prometheus_url == "http://p:9090"
