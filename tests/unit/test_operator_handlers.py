@@ -40,3 +40,17 @@ def test_operator_run_refuses_bad_settings():
     res = CliRunner().invoke(main, ["operator", "run", "--autotune-window", "soon"])
     assert res.exit_code == 2 and "autotune_window" in res.output
     assert "--all-namespaces" in CliRunner().invoke(main, ["operator", "run", "--help"]).output
+
+
+def test_only_handlers_import_kopf_and_nothing_imports_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import kvtune_operator.model, kvtune_operator.crd, kvtune_operator.render, kvtune_operator.effective\n"
+            "import kvtune_operator.conditions, kvtune_operator.reconcile, kvtune_operator.kube\n"
+            "import kvtune_operator.settings, kvtune_operator.commands\n"
+            "assert 'kopf' not in sys.modules, 'kopf imported outside handlers.py'\n"
+            "import kvtune_operator.handlers\n"
+            "assert 'torch' not in sys.modules, 'the operator imports torch'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
