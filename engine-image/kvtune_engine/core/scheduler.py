@@ -155,8 +155,11 @@ class Scheduler:
             start = seq.computed
             n = seq.total - start
             if n == 1 and budget:                                  # a decode: the common case
-                if start >= seq.slots and not self._grow(seq, 1, batch, now):
-                    break
+                if start >= seq.slots:                             # its last block is full
+                    if kv.grow_one(seq.block_table):
+                        seq.slots += bs
+                    elif not self._grow(seq, 1, batch, now):
+                        break
                 seq.start_pos = start
                 seq.num_tokens = 1
                 seq.sample = True

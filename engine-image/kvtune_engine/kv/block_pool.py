@@ -59,18 +59,6 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         """n blocks with ref 1, whatever their ids. Free blocks first, then evict idle cached ones."""
         free = self._free
-        if n == 1:                            # the common case: a decode crossing into a new block
-            if free:
-                b = free.pop()
-            elif self._idle:
-                b, _ = self._idle.popitem(last=False)
-                del self.cached[self.key_of[b]]
-                self.key_of[b] = None
-                self.num_evictions += 1
-            else:
-                raise NoFreeBlocks("asked for 1 block; none free or evictable")
-            self.ref[b] = 1
-            return [b]
         if n <= len(free):
             if n == 0:
                 return []
@@ -94,6 +82,20 @@ class BlockPool:
         for b in out:
             ref[b] = 1
         return out
+
+    def take_one(self) -> int | None:
+        """allocate(1) without the list: a block id, or None when nothing is allocatable."""
+        if self._free:
+            b = self._free.pop()
+        elif self._idle:
+            b, _ = self._idle.popitem(last=False)
+            del self.cached[self.key_of[b]]
+            self.key_of[b] = None
+            self.num_evictions += 1
+        else:
+            return None
+        self.ref[b] = 1
+        return b
 
     def touch(self, blocks: list[int]) -> None:
         """Take one more reference on each block (prefix-cache hit); an idle block leaves the LRU."""

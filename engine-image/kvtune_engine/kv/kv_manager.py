@@ -128,6 +128,15 @@ class KVManager:
         table += self.pool.allocate(n)
         self.num_table_blocks += n
 
+    def grow_one(self, table: list[int]) -> bool:
+        """Append one new block to a device table; False (nothing taken) when none is allocatable."""
+        b = self.pool.take_one()
+        if b is None:
+            return False
+        table.append(b)
+        self.num_table_blocks += 1
+        return True
+
     def free(self, req: Request) -> None:
         """Release everything the request holds, device and host. Device blocks are released last
         block first, so the LRU evicts a prompt's tail before its (more shareable) head."""
