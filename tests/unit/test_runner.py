@@ -35,8 +35,8 @@ def test_sizing_and_memory_picture(runner):
     n_params = sum(p.numel() for p in {id(p): p for p in runner.model.parameters()}.values())
     assert m["weights"] == 4 * n_params and m["device_total"] > m["weights"]
     assert m["activations_peak"] is None  # not measured on CPU
-    assert runner.k_cache.shape == (2, runner.num_blocks, 2, 16, 16)
-    assert runner.swap_k.shape == (2, runner.num_swap_blocks, 2, 16, 16)
+    assert runner.k_cache.shape == (2, 2, runner.num_blocks, 16, 16)
+    assert runner.swap_k.shape == (2, 2, runner.num_swap_blocks, 16, 16)
 
 
 def test_sliding_window_longer_than_max_model_len_is_refused(tiny_model, tmp_path):
@@ -53,15 +53,15 @@ def test_sliding_window_longer_than_max_model_len_is_refused(tiny_model, tmp_pat
 
 def test_swap_out_in_and_copy_move_whole_blocks(runner):
     k, v = runner.k_cache, runner.v_cache
-    k[:, 3].normal_()
-    v[:, 3].normal_()
-    k3, v3 = k[:, 3].clone(), v[:, 3].clone()
+    k[:, :, 3].normal_()
+    v[:, :, 3].normal_()
+    k3, v3 = k[:, :, 3].clone(), v[:, :, 3].clone()
     runner.execute(Batch(swap_out=[(3, 1)]))
-    k[:, 3].zero_()
+    k[:, :, 3].zero_()
     runner.execute(Batch(swap_in=[(1, 7)]))
-    assert torch.equal(k[:, 7], k3) and torch.equal(v[:, 7], v3)
+    assert torch.equal(k[:, :, 7], k3) and torch.equal(v[:, :, 7], v3)
     runner.execute(Batch(copy=[(7, 9)]))
-    assert torch.equal(k[:, 9], k3) and torch.equal(v[:, 9], v3)
+    assert torch.equal(k[:, :, 9], k3) and torch.equal(v[:, :, 9], v3)
 
 
 def test_flat_inputs_put_decodes_first(runner):

@@ -1,9 +1,10 @@
 """Where each token of a step lives in the paged KV cache, built once per step and shared by all layers.
 
 Flat token order inside one step: all decodes first (one token each, batched), then the prefill
-chunks one after another. Each layer has a K cache and a V cache `[num_blocks, kv_heads, block_size,
-head_dim]`: block-major, so gathering a sequence's blocks is one contiguous-row `index_select`, and
-one (block, head) tile is a contiguous `block_size x head_dim` matrix for matmuls and Triton loads.
+chunks one after another. Each layer has a K cache and a V cache `[kv_heads, num_blocks, block_size,
+head_dim]`: per head, block-major, so gathering a sequence's blocks of one head is a row
+`index_select` that yields its context as one contiguous `[positions, head_dim]` matrix (no
+transpose before the matmuls), and a (head, block) tile is contiguous for Triton loads.
 """
 from __future__ import annotations
 
@@ -41,5 +42,5 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              meta: AttentionMetadata) -> None:
     """Store the step's new K/V ([T, kv_heads, head_dim]) at their slots (block * bs + offset)."""
     blk, off = meta.slot_blocks_offsets()
-    k_cache[blk, :, off] = k.to(k_cache.dtype)
-    v_cache[blk, :, off] = v.to(v_cache.dtype)
+    k_cache[:, blk, off] = k.transpose(0, 1).to(k_cache.dtype)
+    v_cache[:, blk, off] = v.transpose(0, 1).to(v_cache.dtype)

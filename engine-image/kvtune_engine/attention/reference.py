@@ -1,11 +1,12 @@
 """Plain-PyTorch paged attention: the reference for the Triton kernel and the fast path on CPU.
 
-Decodes are sorted by context length and cut into buckets of a few MiB of K/V. A bucket gathers its
-sequences' blocks (`index_select` of whole blocks, the fastest gather torch has) and never reshuffles
-them: scores are computed per (sequence, block, kv head) tile with one batched matmul, the softmax runs
-over the (block, slot) axes, and P @ V is summed over blocks. Sorting keeps a bucket's padding small.
-Prefill chunks use torch's SDPA one sequence at a time: a fresh prompt uses its own K/V with a causal
-mask; a chunk after a cached prefix reads prefix and chunk back from the cache.
+Decodes are sorted by context length and cut into buckets whose gathered K/V of one head stays in
+the L2 cache. Per bucket and kv head, one `index_select` of whole blocks yields every sequence's
+context as a contiguous `[positions, head_dim]` matrix, and two batched matmuls (the query heads of a
+GQA group are the rows) with a masked softmax in between give the output: no transposes, no tiny
+matmuls, and sorting keeps each bucket's padding small. Prefill chunks use torch's SDPA one sequence
+at a time: a fresh prompt on its own K/V with a causal mask; a chunk after a cached prefix reads
+prefix and chunk back from the cache.
 """
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import torch.nn.functional as F
 
 from .metadata import AttentionMetadata
 
-#: Bytes of gathered K+V per decode bucket: small enough to stay in the last-level cache between
-#: the gather and the two matmuls that read it, large enough to amortise per-op overhead.
-BUCKET_BYTES = 8 << 20
+#: Bytes of gathered K+V of one head per decode bucket: fits the L2 cache between the gather and
+#: the two matmuls that read it, and amortises per-op overhead.
+BUCKET_BYTES = 1 << 20
 MAX_BUCKET = 64
 
 
@@ -38,11 +39,10 @@ def decode_buckets(lens: list[int], bytes_per_token: int, budget: int = BUCKET_B
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """K or V of one sequence from a [num_blocks, heads, bs, d] cache, as [heads, length, d]."""
-    _, h, bs, d = cache.shape
+    """K or V of one sequence from a [heads, num_blocks, bs, d] cache, as [heads, length, d]."""
+    h, _, bs, d = cache.shape
     nb = -(-length // bs)
-    g = cache.index_select(0, block_table[:nb])           # [nb, h, bs, d]
-    return g.transpose(0, 1).reshape(h, nb * bs, d)[:, :length]
+    return cache.index_select(1, block_table[:nb]).view(h, nb * bs, d)[:, :length]
 
 
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -50,31 +50,35 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            bucket_bytes: int = BUCKET_BYTES) -> torch.Tensor:
     """q [N, q_heads, d] (one token per sequence) -> [N, q_heads, d]."""
     n, hq, d = q.shape
-    _, hk, bs, _ = k_cache.shape
+    hk, _, bs, _ = k_cache.shape
     g = hq // hk
     dev = q.device
-    buckets = decode_buckets(context_lens, 2 * hk * d * k_cache.element_size(), bucket_bytes)
+    buckets = decode_buckets(context_lens, 2 * d * k_cache.element_size(), bucket_bytes)
     whole = len(buckets) == 1
     if whole:
         buckets = [list(range(n))]  # one bucket: keep the batch order, no scatter back
-    out = q.new_empty(q.shape) if not whole else None
-    slot = torch.arange(bs, device=dev)
+    out = None if whole else q.new_empty(q.shape)
+    qs = q * scale
     for b in buckets:
         c = len(b)
         blens = [context_lens[i] for i in b]
         nb = -(-max(blens) // bs)
+        length = nb * bs
         idx = None if whole else torch.tensor(b, device=dev)
         bt = (block_tables if whole else block_tables.index_select(0, idx))[:, :nb].reshape(-1)
-        kb = k_cache.index_select(0, bt).view(c, nb, hk, bs, d)
-        vb = v_cache.index_select(0, bt).view(c, nb, hk, bs, d)
-        qb = (q if whole else q.index_select(0, idx)).view(c, 1, hk, g, d)
-        s = torch.matmul(qb, kb.transpose(-1, -2)).float()               # [c, nb, hk, g, bs]
-        if min(blens) < nb * bs:
-            pos = (torch.arange(nb, device=dev)[:, None] * bs + slot).view(1, nb, 1, 1, bs)
-            s.masked_fill_(pos >= torch.tensor(blens, device=dev).view(c, 1, 1, 1, 1), float("-inf"))
-        s = torch.exp((s - s.amax(dim=(1, 4), keepdim=True)).mul_(scale))  # softmax numerator
-        den = s.sum(dim=(1, 4), keepdim=True).squeeze(1)                 # [c, hk, g, 1]
-        o = (torch.matmul(s.to(vb.dtype), vb).sum(dim=1) / den).to(q.dtype).reshape(c, hq, d)
+        qb = (qs if whole else qs.index_select(0, idx)).view(c, hk, g, d).transpose(0, 1).contiguous()
+        pad = None
+        if min(blens) < length:
+            pad = (torch.arange(length, device=dev)[None, :] >= torch.tensor(blens, device=dev)[:, None])[:, None, :]
+        ob = q.new_empty(hk, c, g, d)
+        for h in range(hk):
+            kb = k_cache[h].index_select(0, bt).view(c, length, d)
+            s = torch.bmm(qb[h], kb.transpose(1, 2)).float()                # [c, g, L]
+            if pad is not None:
+                s.masked_fill_(pad, float("-inf"))
+            p = torch.softmax(s, dim=-1).to(q.dtype)
+            torch.bmm(p, v_cache[h].index_select(0, bt).view(c, length, d), out=ob[h])
+        o = ob.transpose(0, 1).reshape(c, hq, d)
         if whole:
             return o
         out.index_copy_(0, idx, o)
@@ -89,18 +93,23 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     With start_pos > 0 the keys are the cached prefix plus this chunk, read back from the cache
     (the chunk is already written there).
     """
-    n = q.shape[0]
+    n, hq = q.shape[0], q.shape[1]
     qt = q.transpose(0, 1).unsqueeze(0)
     if start_pos == 0:
-        kt, vt = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+        kt, vt = k.transpose(0, 1), v.transpose(0, 1)
+        mask = None
     else:
         ctx = start_pos + n
-        kt = gather_context(k_cache, block_table, ctx).unsqueeze(0)
-        vt = gather_context(v_cache, block_table, ctx).unsqueeze(0)
+        kt = gather_context(k_cache, block_table, ctx)
+        vt = gather_context(v_cache, block_table, ctx)
         rows = torch.arange(start_pos, ctx, device=q.device)[:, None]
         mask = torch.arange(ctx, device=q.device)[None, :] <= rows
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    gqa = kt.shape[0] != hq
+    if gqa and q.is_cuda:  # CUDA's fused SDPA kernels want equal head counts; the copy is small
+        kt, vt = kt.repeat_interleave(hq // kt.shape[0], 0), vt.repeat_interleave(hq // vt.shape[0], 0)
+        gqa = False
+    o = F.scaled_dot_product_attention(qt, kt.unsqueeze(0), vt.unsqueeze(0), attn_mask=mask,
+                                       is_causal=mask is None, scale=scale, enable_gqa=gqa)
     return o.squeeze(0).transpose(0, 1)
 
 

@@ -30,7 +30,7 @@ if triton is not None:
     ):
         seq = tl.program_id(0)
         head = tl.program_id(1)
-        kvh = head // GROUP
+        kvh = (head // GROUP).to(tl.int64)
         ctx = tl.load(lens_ptr + seq)
         d = tl.arange(0, D_P)
         dmask = d < HEAD_DIM
@@ -62,12 +62,12 @@ if triton is not None:
 
 def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [N, q_heads, d]; k/v cache [num_blocks, kv_heads, bs, d]; block_tables [N, max_blocks];
+    """q [N, q_heads, d]; k/v cache [kv_heads, num_blocks, bs, d]; block_tables [N, max_blocks];
     context_lens [N] (>= 1) -> [N, q_heads, d]."""
     if triton is None:
         raise RuntimeError("triton is not installed")
     n, hq, d = q.shape
-    _, hk, bs, _ = k_cache.shape
+    hk, _, bs, _ = k_cache.shape
     for c in (k_cache, v_cache):  # tiles must be contiguous; block and head strides are passed
         assert c.stride(-1) == 1 and c.stride(-2) == d and c.stride() == k_cache.stride()
     q = q.contiguous()
@@ -78,7 +78,7 @@ def paged_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     _paged_decode_kernel[(n, hq)](
         out, q, k_cache, v_cache, block_tables, context_lens.to(torch.int32).contiguous(), float(scale),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        k_cache.stride(1), k_cache.stride(0), block_tables.stride(0),
         GROUP=hq // hk, BLOCK=bs, HEAD_DIM=d, D_P=triton.next_power_of_2(d),
     )
     return out

@@ -107,7 +107,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None, meta: AttentionMetadata) -> torch.Tensor:
-        """kv_caches[layer] = (K, V), each [num_blocks, kv_heads, block_size, head_dim]."""
+        """kv_caches[layer] = (K, V), each [kv_heads, num_blocks, block_size, head_dim]."""
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):

@@ -1,6 +1,6 @@
 """The model runner: executes the scheduler's Batch on a real model over the paged KV cache.
 
-It owns the device KV cache (K and V tensors `[layers, num_blocks, kv_heads, block_size, head_dim]`,
+It owns the device KV cache (K and V tensors `[layers, kv_heads, num_blocks, block_size, head_dim]`,
 zero-filled so that padded reads stay finite), the host swap pool of the same layout (pinned on CUDA),
 and the sampler. Each step: swap out, swap in, copy blocks; flatten the batch (decodes first, then
 prefill chunks) into token ids, positions and slot mapping; run the model; sample one token for
@@ -92,11 +92,11 @@ class ModelRunner:
             kv_bytes_per_token=per_token, swap_space_gib=config.swap_space, kv_cache_memory_gib=kv_gib)
         self.num_blocks = num_blocks if num_blocks is not None else self.sizing.num_blocks
         self.num_swap_blocks = num_swap_blocks if num_swap_blocks is not None else self.sizing.num_swap_blocks
-        shape = (mc.num_layers, self.num_blocks, mc.num_kv_heads, self.block_size, mc.head_dim)
+        shape = (mc.num_layers, mc.num_kv_heads, self.num_blocks, self.block_size, mc.head_dim)
         self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))  # per layer (K, V)
-        hshape = (mc.num_layers, self.num_swap_blocks) + shape[2:]
+        hshape = shape[:2] + (self.num_swap_blocks,) + shape[3:]
         self.swap_k = torch.empty(hshape, dtype=self.dtype, device="cpu", pin_memory=cuda)
         self.swap_v = torch.empty(hshape, dtype=self.dtype, device="cpu", pin_memory=cuda)
         block_bytes = per_token * self.block_size
@@ -144,17 +144,17 @@ class ModelRunner:
             src = torch.tensor([a for a, _ in batch.swap_out], device=dev)
             dst = torch.tensor([b for _, b in batch.swap_out])
             for d, h in pairs:
-                h.index_copy_(1, dst, d.index_select(1, src).to("cpu"))
+                h.index_copy_(2, dst, d.index_select(2, src).to("cpu"))
         if batch.swap_in:
             src = torch.tensor([a for a, _ in batch.swap_in])
             dst = torch.tensor([b for _, b in batch.swap_in], device=dev)
             for d, h in pairs:
-                d.index_copy_(1, dst, h.index_select(1, src).to(dev))
+                d.index_copy_(2, dst, h.index_select(2, src).to(dev))
         if batch.copy:
             src = torch.tensor([a for a, _ in batch.copy], device=dev)
             dst = torch.tensor([b for _, b in batch.copy], device=dev)
             for d, _ in pairs:
-                d.index_copy_(1, dst, d.index_select(1, src))
+                d.index_copy_(2, dst, d.index_select(2, src))
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
