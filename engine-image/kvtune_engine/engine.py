@@ -790,13 +790,21 @@ class LLM:
             if len(plist) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
         eng = self.engine
+        encoded = []
+        for p, sp in zip(prompts, plist):  # validate everything before queueing anything
+            eng.validate_sampling(sp)
+            ids = eng.encode(p)
+            eng.check_prompt(ids, sp)
+            encoded.append(ids)
         order: dict[str, int] = {}
-        for i, (p, sp) in enumerate(zip(prompts, plist)):
-            req = eng.add_request(p, sp)
+        for i, (ids, sp) in enumerate(zip(encoded, plist)):
+            req = eng.add_request(ids, sp)
             order[req.request_id] = i
         results: list[RequestOutput | None] = [None] * len(prompts)
         done = 0
         while done < len(prompts):
+            if not eng.has_unfinished():
+                raise RuntimeError(f"the engine stopped with {len(prompts) - done} requests unanswered")
             for out in eng.step():
                 if out.finished and out.request_id in order:
                     results[order[out.request_id]] = out

@@ -184,7 +184,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *,
                 usage_p = usage_c = 0
                 try:
                     async for idx, out in _merge(streams):
-                        if out.new_token_ids or out.delta_text or out.finished:
+                        if out.delta_text or out.new_logprobs or out.finished:
                             choice = {"index": idx, "text": out.delta_text,
                                       "logprobs": P.completion_logprobs(out.new_logprobs, tok_str),
                                       **P.finish_fields(out)}
