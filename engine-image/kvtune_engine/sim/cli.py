@@ -57,9 +57,9 @@ def engine_options(f):
         click.option("--watermark", type=float, default=None,
                      help=f"Fraction of blocks kept free at admission [default: {d['watermark'].default}]"),
         click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
-                     help=f"Reuse KV blocks of shared prompt prefixes [default: on]"),
+                     help="Reuse KV blocks of shared prompt prefixes [default: on]"),
         click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
-                     help=f"Split long prompts across steps [default: on]"),
+                     help="Split long prompts across steps [default: on]"),
     ]
     for o in reversed(opts):
         f = o(f)
