@@ -517,7 +517,8 @@ class LLMEngine:
             self.hist["e2e"].observe(max(0.0, (tr.last_token_s or now) - r.arrival_s))
             self.hist["output_tokens"].observe(len(r.output_token_ids))
         self.hist["prompt_tokens"].observe(r.num_prompt_tokens)
-        if tr.trace_entry is not None:
+        if tr.trace_entry is not None and r.output_token_ids:
+            # (a request aborted before its first token left no load worth replaying: not traced)
             tr.trace_entry["output_tokens"] = len(r.output_token_ids)
             tr.trace_entry["_finish"] = reason.value
             self._trace.append(tr.trace_entry)

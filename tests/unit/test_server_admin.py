@@ -82,8 +82,13 @@ def test_trace_shapes_never_text(srv):
     assert "prefix_group" not in c
     assert [r["arrival_s"] for r in t["requests"]] == sorted(r["arrival_s"] for r in t["requests"])
     # JSONL, straight into `kvtune sim --trace`
-    lines = srv.get_text("/kvtune/v1/trace?format=jsonl&limit=2").splitlines()
-    assert len(lines) == 2
+    text = srv.get_text("/kvtune/v1/trace?format=jsonl&limit=2")
+    assert len(text.splitlines()) == 2
+    import io
+
+    from kvtune_engine.sim.trace import read_trace
+    assert [r.output_tokens for r in read_trace(io.StringIO(text))] == [3, 5]
+    assert len(read_trace(io.StringIO(srv.get_text("/kvtune/v1/trace?format=jsonl")))) == len(t["requests"])
     # since: only later arrivals
     later = srv.get_json(f"/kvtune/v1/trace?since_s={b['arrival_s']}")["requests"]
     assert later and all(r["arrival_s"] > b["arrival_s"] for r in later)
