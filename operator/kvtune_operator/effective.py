@@ -62,12 +62,12 @@ class Effective:
     dropped: dict[str, str]
 
     def status_engine(self) -> dict[str, Any]:
-        """status.engine (camelCase, None fields omitted)."""
-        return {k: v for k, v in to_camel_dict(self.config.model_dump()).items() if v is not None}
+        """status.engine (camelCase; an unset knob is None, which a merge patch deletes)."""
+        return to_camel_dict(self.config.model_dump())
 
     def status_baseline(self) -> dict[str, Any]:
-        """status.baseline (camelCase, None fields omitted)."""
-        return {k: v for k, v in to_camel_dict(self.baseline.model_dump()).items() if v is not None}
+        """status.baseline (camelCase; an unset knob is None, which a merge patch deletes)."""
+        return to_camel_dict(self.baseline.model_dump())
 
 
 def autotune_mode(spec: InferenceDeploymentSpec, default: AutotuneMode | str) -> AutotuneMode:

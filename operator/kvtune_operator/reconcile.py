@@ -16,6 +16,7 @@ The tuner's entry point is `Reconciler.reconcile(ns, name, status_update=..., co
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 from typing import Any, Iterable
@@ -131,6 +132,13 @@ def child_events(applied: Iterable[Applied], *, knob_events: bool) -> list[Event
         else:
             events.append(EventSpec("Normal", "Updated", f"Updated {a.label}"))
     return events
+
+
+def _changes(old: Any, patch: Any) -> bool:
+    """Would this JSON merge patch change `old`?"""
+    if isinstance(patch, dict) and isinstance(old, dict):
+        return any(_changes(old.get(k), v) if v is not None else k in old for k, v in patch.items())
+    return old != patch
 
 
 class Reconciler:
@@ -261,7 +269,8 @@ class Reconciler:
         outcome.status = status
         outcome.retry = apply_error
         try:
-            self.kube.patch_infd_status(namespace, name, status)
+            if _changes(old_status, json.loads(json.dumps(status))):
+                self.kube.patch_infd_status(namespace, name, status)
         except KubeError as e:
             outcome.retry = outcome.retry or f"status update failed: {e}"
         for ev in outcome.events:

@@ -11,6 +11,19 @@ from kvtune_operator.render import ANNOTATION_RESTART_HASH
 from kvtune_operator.settings import Settings
 
 
+def merge_patch(target, patch):
+    """RFC 7386 JSON merge patch, as the apiserver applies it to the status subresource."""
+    if not isinstance(patch, dict):
+        return patch
+    out = dict(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out
+
+
 class FakeKube:
     """Objects keyed by (apiVersion, kind, namespace, name); a resourceVersion bump only on change."""
 
@@ -57,7 +70,7 @@ class FakeKube:
     def patch_infd_status(self, namespace, name, status):
         self.calls.append(("kvtune.io/inferencedeployments/status", "patch"))
         obj = self.infd(name, namespace)
-        obj["status"] = json.loads(json.dumps({**obj.get("status", {}), **status}))
+        obj["status"] = merge_patch(obj.get("status") or {}, json.loads(json.dumps(status)))
         return obj
 
     def get(self, api_version, kind, namespace, name):
@@ -152,8 +165,10 @@ def test_second_reconcile_changes_nothing():
     rec.reconcile("llm", "qwen")  # Ready / RolloutComplete transitions
     before = copy.deepcopy({k: v for k, v in kube.objects.items() if k[1] != "InferenceDeployment"})
     n_events = len(kube.events)
+    kube.calls.clear()
     out = rec.reconcile("llm", "qwen")
     assert out.events == [] and len(kube.events) == n_events
+    assert ("kvtune.io/inferencedeployments/status", "patch") not in kube.calls  # nothing to write
     assert {k: v for k, v in kube.objects.items() if k[1] != "InferenceDeployment"} == before
     assert get_condition(kube.infd()["status"]["conditions"], "Ready")["status"] == "True"
 
@@ -281,3 +296,15 @@ def test_calls_are_covered_by_the_declared_rbac():
              "kvtune.io/inferencedeployments/status": "inferencedeployments/status"}
     for what, verb in set(kube.calls):
         assert (kinds.get(what, what), verb) in granted, (what, verb)
+
+
+def test_unset_knob_leaves_status():
+    kube, rec = setup()
+    kube.edit_spec(**{"engine.kvCacheMemoryGiB": 0.05})
+    rec.reconcile("llm", "qwen")
+    assert kube.infd()["status"]["engine"]["kvCacheMemoryGiB"] == 0.05
+    del kube.infd()["spec"]["engine"]["kvCacheMemoryGiB"]
+    out = rec.reconcile("llm", "qwen")
+    assert "kvCacheMemoryGiB" not in kube.infd()["status"]["engine"]
+    assert "kvCacheMemoryGiB 0.05 -> unset" in out.events[0].message
+    assert "kv_cache_memory: null" in kube.child("ConfigMap", "qwen-engine")["data"]["engine.yaml"]
