@@ -8,7 +8,8 @@ way: it is not a kubelet.
 What it does, polling the apiserver every `poll_interval` seconds:
 
 * It looks at pods matching `selector` (default ``app.kubernetes.io/name=kvtune-engine``; engine
-  pods also carry ``kvtune.io/inference-deployment=<name>``) in all namespaces.
+  pods also carry ``kvtune.io/inference-deployment=<name>``) in all namespaces, or only in
+  `namespaces` when set (``with pod_node.restricted_to(ns): ...``).
 * For each pod that is Running on a node, not being deleted, it starts the pod's FIRST container as
   a local process: ``command + args`` (``$(VAR)`` references expanded like the kubelet does), with
   the container's ``env``/``envFrom`` (literal values, ``fieldRef``, ``configMapKeyRef``,
@@ -41,6 +42,7 @@ operator would build it from the pod status, into the local URL), `wait_for_pod`
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -129,6 +131,8 @@ class PodNode:
         self.translate: Callable[[dict, dict, list[str]], list[str]] | None = None
         self.extra_env = dict(extra_env or {})
         self.poll_interval = poll_interval
+        #: None: run engine pods of every namespace; a set: only those namespaces (see `restricted_to`).
+        self.namespaces: set[str] | None = None
         self.pods: dict[tuple[str, str], LocalPod] = {}
         self.errors: list[str] = []
         self._lock = threading.RLock()
@@ -162,8 +166,7 @@ class PodNode:
         if self._thread is not None:
             self._thread.join(timeout=60)
         with self._lock:
-            for key in list(self.pods):
-                self._stop_pod(key, "pod node stopping")
+            self._stop_pods(list(self.pods), "pod node stopping")
         if self.sd_file and self.sd_file.parent.is_dir():
             write_sd_file(self.sd_file, [])
         self._log.close()
@@ -173,6 +176,18 @@ class PodNode:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+    @contextlib.contextmanager
+    def restricted_to(self, *namespaces: str):
+        """Within the block, run only the engine pods of these namespaces (others' processes are
+        stopped; they start again after the block). Engine pods that other tests leave behind
+        otherwise all become local processes (each ``kvtune serve`` imports torch: slow on 2 cores)."""
+        before = self.namespaces
+        self.namespaces = set(namespaces)
+        try:
+            yield self
+        finally:
+            self.namespaces = before
 
     # ------------------------------------------------------------------ lookups for tests
     def get(self, namespace: str, pod: str) -> LocalPod | None:
@@ -261,8 +276,7 @@ class PodNode:
         # Stop the processes from this thread: they die with it (PR_SET_PDEATHSIG), so this is the
         # last moment for a graceful SIGTERM.
         with self._lock:
-            for key in list(self.pods):
-                self._stop_pod(key, "pod node stopping")
+            self._stop_pods(list(self.pods), "pod node stopping")
 
     def reconcile(self) -> None:
         pods = self._call(self._api.list_pod_for_all_namespaces, label_selector=self.selector)["items"]
@@ -271,15 +285,15 @@ class PodNode:
             md, spec, st = pod["metadata"], pod.get("spec", {}), pod.get("status", {})
             if md.get("deletionTimestamp") or st.get("phase") != "Running" or not spec.get("nodeName"):
                 continue
+            if self.namespaces is not None and md["namespace"] not in self.namespaces:
+                continue
             wanted[(md["namespace"], md["name"])] = pod
         cm_cache: dict[tuple[str, str], dict | None] = {}
         with self._lock:
-            for key, lp in list(self.pods.items()):
-                pod = wanted.get(key)
-                if pod is None:
-                    self._stop_pod(key, "pod gone, deleting or not Running")
-                elif pod["metadata"]["uid"] != lp.uid:
-                    self._stop_pod(key, "pod replaced")
+            gone = [k for k in self.pods if k not in wanted]
+            replaced = [k for k, lp in self.pods.items() if k in wanted and wanted[k]["metadata"]["uid"] != lp.uid]
+            self._stop_pods(gone, "pod gone, deleting, not Running or outside `namespaces`")
+            self._stop_pods(replaced, "pod replaced")
             for key, pod in wanted.items():
                 if key not in self.pods:
                     try:
@@ -336,12 +350,23 @@ class PodNode:
         self.pods[(ns, name)] = lp
         self._log.write(f"{time.strftime('%H:%M:%S')} started {ns}/{name} pid={proc.pid} port={port} argv={argv}\n")
 
-    def _stop_pod(self, key: tuple[str, str], why: str) -> None:
-        lp = self.pods.pop(key, None)
-        if lp is None:
+    def _stop_pods(self, keys: list[tuple[str, str]], why: str) -> None:
+        """SIGTERM all their process groups at once, SIGKILL what is left after the grace period."""
+        lps = [lp for lp in (self.pods.pop(k, None) for k in keys) if lp is not None]
+        if not lps:
             return
-        lp.proc.stop(timeout=lp.grace_seconds)
-        self._log.write(f"{time.strftime('%H:%M:%S')} stopped {key[0]}/{key[1]} ({why}), rc={lp.returncode}\n")
+        for lp in lps:
+            try:
+                os.killpg(lp.proc.pid, signal.SIGTERM)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + max(lp.grace_seconds for lp in lps)
+        while time.monotonic() < deadline and any(lp.proc.popen.poll() is None for lp in lps):
+            time.sleep(0.05)
+        for lp in lps:
+            lp.proc.stop(timeout=0.5)  # SIGKILLs leftovers of the group, reaps, closes the log
+            self._log.write(f"{time.strftime('%H:%M:%S')} stopped {lp.namespace}/{lp.name} ({why}), "
+                            f"rc={lp.returncode}\n")
 
     def _translate(self, pod: dict, container: dict, argv: list[str]) -> list[str]:
         if self.translate is not None:

@@ -48,7 +48,11 @@ interpreter exit, and - through PR_SET_PDEATHSIG - even if pytest is killed):
       ``pod_node.url_for(ns, pod)``, ``pod_node.urls_for_selector(ns, labels)``,
       ``pod_node.urls_for_service(ns, service)``, ``pod_node.rewrite_url(url_with_pod_ip)``,
       ``pod_node.logs(ns, pod)``, ``pod_node.get(ns, pod)`` -> LocalPod (``.port``, ``.argv``,
-      ``.returncode``, ``.local_path(container_path)``), ``pod_node.errors``.
+      ``.returncode``, ``.local_path(container_path)``), ``pod_node.errors``,
+      ``with pod_node.restricted_to(ns): ...`` (run only your namespace's engine pods: by default
+      EVERY engine pod in the cluster becomes a local process, including ones other tests left
+      behind - each ``kvtune serve`` imports torch, which is slow on 2 cores; delete your engine
+      pods/namespaces when done).
     Change ``command_map``/``translate`` before creating your pods, and restore them afterwards
     (session-scoped object).
 

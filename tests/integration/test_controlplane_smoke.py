@@ -252,6 +252,14 @@ def test_pod_node_runs_pod_and_prometheus_scrapes_it(controlplane, prometheus, p
         "apiVersion": "v1", "kind": "Service", "metadata": {"name": "smoke-id", "namespace": namespace},
         "spec": {"selector": labels, "ports": [{"port": 80, "targetPort": "http"}]}}))
 
+    with pod_node.restricted_to(namespace):
+        _check_pod_node(controlplane, prometheus, pod_node, namespace, labels)
+
+
+def _check_pod_node(controlplane, prometheus, pod_node, namespace, labels):
+    from prometheus_api_client import PrometheusConnect
+
+    kc = controlplane.kubectl
     (lp,) = pod_node.wait_for_selector(namespace, labels, count=1, timeout=60)
     lp = pod_node.wait_for_pod(namespace, lp.name, timeout=30)
     assert lp.labels["kvtune.io/inference-deployment"] == "smoke-id"
