@@ -1,0 +1,84 @@
+"""Read one InferenceDeployment's engine metrics over a window from Prometheus.
+
+One range query fetches the raw samples of every `kvtune_*` series of the deployment (selected by the
+`namespace` and `inference_deployment` labels its PodMonitor gives); the window figures are computed
+here: counters and histogram series by their increase (resets tolerated), gauges by mean and max. The
+replicas are averaged, so the figures describe one typical engine, which is what the simulator
+replays. The scrape addresses found on the way are the engines whose trace the tuner reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .tuner.observation import MetricFigures
+
+COUNTER_SUFFIXES = ("_total", "_count", "_sum", "_bucket")
+PER_REPLICA_LABELS = ("pod", "instance", "job", "namespace", "inference_deployment", "container",
+                      "endpoint", "service")
+
+
+class MetricsUnavailable(RuntimeError):
+    """No decision without metrics: `reason` becomes the MetricsAvailable condition's reason."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Window:
+    figures: MetricFigures
+    instances: list[str]  # host:port of each engine replica Prometheus scraped in the window
+    window_s: float
+
+
+def _increase(values: list[float]) -> float:
+    inc = 0.0
+    for prev, cur in zip(values, values[1:]):
+        inc += cur - prev if cur >= prev else cur  # a reset starts again from zero
+    return inc
+
+
+def window_figures(series: list[dict[str, Any]]) -> tuple[MetricFigures, list[str]]:
+    """Raw range-query results -> per-replica-averaged window figures, and the replicas' addresses."""
+    sums: dict[tuple, list[float]] = {}
+    maxima: dict[tuple, list[float]] = {}
+    instances: set[str] = set()
+    for s in series:
+        labels = dict(s["metric"])
+        name = labels.pop("__name__")
+        if "instance" in labels:
+            instances.add(labels["instance"])
+        values = [float(v) for _, v in s["values"]]
+        if not values:
+            continue
+        key = MetricFigures.key(name, **{k: v for k, v in labels.items() if k not in PER_REPLICA_LABELS})
+        if name.endswith(COUNTER_SUFFIXES):
+            sums.setdefault(key, []).append(_increase(values))
+        else:
+            sums.setdefault(key, []).append(sum(values) / len(values))
+            maxima.setdefault(key, []).append(max(values))
+    mean = {k: sum(v) / len(v) for k, v in sums.items()}
+    peak = {k: max(v) for k, v in maxima.items()}
+    return MetricFigures(mean, peak), sorted(instances)
+
+
+def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout_s: float = 10.0) -> Window:
+    """Raises MetricsUnavailable (with a reason for the condition) when Prometheus or the series are missing."""
+    from prometheus_api_client import PrometheusConnect
+
+    selector = f'{{__name__=~"kvtune_.+",namespace="{namespace}",inference_deployment="{name}"}}'
+    try:
+        prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
+        series = prom.custom_query(query=f"{selector}[{max(1, int(window_s))}s]")
+    except Exception as e:  # connection refused, timeout, HTTP error: all mean "no metrics now"
+        raise MetricsUnavailable("PrometheusUnreachable", f"cannot query Prometheus at {url}: {e}") from None
+    if not series:
+        raise MetricsUnavailable(
+            "NoSeries", f"Prometheus at {url} has no kvtune_* series for {namespace}/{name} in the last "
+            f"{int(window_s)}s: is the engine scraped (PodMonitor) and running?")
+    figures, instances = window_figures(series)
+    if figures.get("kvtune_steps_total") is None:
+        raise MetricsUnavailable("IncompleteSeries", f"the series of {namespace}/{name} lack kvtune_steps_total")
+    return Window(figures, instances, window_s)
