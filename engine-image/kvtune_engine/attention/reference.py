@@ -17,7 +17,7 @@ from .metadata import AttentionMetadata
 
 #: Bytes of gathered K+V of one head per decode bucket: fits the L2 cache between the gather and
 #: the two matmuls that read it, and amortises per-op overhead.
-BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 2 << 20
 MAX_BUCKET = 64
 
 
