@@ -62,7 +62,7 @@ def test_decode_reference_matches_dense(bs, hq, hk):
     q = torch.randn(len(lens), hq, d)
     scale = 1 / math.sqrt(d)
     # one bucket in batch order, and a budget of ~3 sequences' K/V: several buckets sorted by length
-    for budget in (1 << 30, 3 * 70 * 2 * d * 4):
+    for budget in (1 << 30, 3 * 70 * 2 * hk * d * 4):
         out = paged_decode_reference(q, kc, vc, bt, lens, scale, bucket_bytes=budget)
         for i, (n, (k, v)) in enumerate(zip(lens, dense)):
             ref = dense_attention(q[i:i + 1], k, v, [n - 1], scale)
