@@ -11,8 +11,9 @@
 * ``deleted``          on delete (optional: no finalizer; children go by garbage collection)
 * ``health``           a liveness probe (kopf serves it at ``settings.liveness``)
 
-The tuner (a later issue) adds its own ``@kopf.timer(..., registry=registry)`` in `build_registry`
-that calls ``reconciler.reconcile(namespace, name, status_update=..., conditions=...)``.
+* ``tune``             a timer polling every ``settings.tune_poll_interval``; each deployment is tuned at
+                       its own spec.autotune.interval by `tuning.TuningLoop` (Prometheus window ->
+                       diagnose -> predict -> decide -> status.engine, conditions and events)
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import kopf
 from kvtune_operator.model import GROUP, PLURAL, VERSION
 from kvtune_operator.reconcile import Outcome, Reconciler
 from kvtune_operator.settings import Settings
+from kvtune_operator.tuning import TuningLoop
 
 ANNOTATION_PREFIX = "kvtune.io"
 log = logging.getLogger("kvtune_operator")
@@ -84,8 +86,20 @@ def build_registry(settings: Settings, reconciler: Reconciler) -> kopf.OperatorR
         if outcome.retry:
             log.warning("%s/%s: will retry at the next refresh: %s", namespace, name, outcome.retry)
 
+    loop = TuningLoop(reconciler, settings)
+
+    @kopf.timer(**resource, registry=registry, id="tune", interval=settings.tune_poll_interval,
+                initial_delay=settings.tune_poll_interval)
+    def tune(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
+        """Each deployment at its own spec.autotune.interval: gather, decide, write (tuning.py)."""
+        result = loop.maybe_tick(namespace, name, dict(body))
+        if result is not None:
+            for ev in result.events:
+                log.info("%s/%s: %s: %s", namespace, name, ev.reason, ev.message)
+
     @kopf.on.delete(**resource, registry=registry, id="deleted", optional=True)
     def deleted(namespace: str, name: str, **_: Any) -> None:
+        loop.forget(namespace, name)
         reconciler.forget(namespace, name)
         log.info("%s/%s: deleted; its children go by garbage collection", namespace, name)
 

@@ -159,22 +159,25 @@ class Reconciler:
             self._locks.pop((namespace, name), None)
 
     def reconcile(self, namespace: str, name: str, *, status_update: dict[str, Any] | None = None,
-                  conditions: Iterable[c.Cond] = ()) -> Outcome:
+                  conditions: Iterable[c.Cond] = (), events: Iterable[EventSpec] = ()) -> Outcome:
+        """Render, apply and write status; `status_update`, `conditions` and `events` come from the
+        tuner (written in the same status patch, events posted with the reconcile's own)."""
         with self.lock(namespace, name):
             raw = self.kube.get_infd(namespace, name)
             if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
                 return Outcome(gone=True)
-            return self._reconcile(raw, status_update or {}, list(conditions))
+            return self._reconcile(raw, status_update or {}, list(conditions), list(events))
 
     # -- the steps ------------------------------------------------------------------------------
 
-    def _reconcile(self, raw: dict[str, Any], status_update: dict[str, Any], extra: list[c.Cond]) -> Outcome:
+    def _reconcile(self, raw: dict[str, Any], status_update: dict[str, Any], extra: list[c.Cond],
+                   extra_events: list[EventSpec]) -> Outcome:
         meta = raw["metadata"]
         namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation")
         old_status = dict(raw.get("status") or {})
         raw = {**raw, "status": {**old_status, **status_update}}
         now = now_rfc3339()
-        outcome = Outcome()
+        outcome = Outcome(events=list(extra_events))
         config_error = apply_error = None
         effective: Effective | None = None
         deployment: dict[str, Any] | None = None

@@ -33,6 +33,8 @@ class Settings(BaseModel):
     autotune_window: str = Field("5m", pattern=DURATION_PATTERN, description="Default spec.autotune.window.")
     autotune_cooldown: str = Field("15m", pattern=DURATION_PATTERN, description="Default spec.autotune.cooldown.")
     status_interval: float = Field(15.0, gt=0, description="Seconds between status refreshes of each resource.")
+    tune_poll_interval: float = Field(5.0, gt=0, description="Seconds between checks whether a resource is due "
+                                                             "for a tuning round (each has its own interval).")
     retry_backoff: float = Field(5.0, gt=0, description="First retry delay (s) after a failed reconcile; doubles.")
     retry_backoff_max: float = Field(300.0, gt=0, description="Longest retry delay (s).")
     pod_monitor: Literal["auto", "never"] = Field(

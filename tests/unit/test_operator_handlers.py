@@ -19,7 +19,7 @@ def test_registry_has_the_handlers():
     assert any(h.id == "reconcile" and h.initial for h in changing)  # on.resume: objects found at start-up
     assert next(h for h in changing if h.id == "deleted").requires_finalizer is False  # children go by GC
     timers = registry._spawning.get_all_handlers()
-    assert [(h.id, h.interval) for h in timers] == [("refresh", 7.0)]
+    assert [(h.id, h.interval) for h in timers] == [("refresh", 7.0), ("tune", settings.tune_poll_interval)]
     assert {h.id for h in registry._activities.get_all_handlers()} >= {"uptime_seconds"}
 
 

@@ -1,0 +1,245 @@
+"""The tuner in the cluster: one tick per InferenceDeployment, as pure as the cluster allows.
+
+`tick` takes what the timer gathered (spec, status, the Prometheus window, the engine's state and
+trace) and the deployment's `Tuner`, runs one round of the very loop `kvtune tune` runs, and returns
+what to write: status (diagnosis, tuning, tuned knobs in status.engine), conditions and events. It
+never writes the spec. `gather` is the I/O half: Prometheus over the window, then the trace and state
+of one engine replica it scraped.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import httpx
+
+from . import conditions as c
+from .effective import (AutotunePlan, Choices, Range, baseline_config, effective_engine, knob_bounds,
+                        resolve_autotune, tuned_status)
+from .model import (TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, InferenceDeploymentSpec,
+                    InferenceDeploymentStatus, parse_duration, to_camel_dict)
+from .prometheus import MetricsUnavailable, read_window
+from .reconcile import EventSpec
+from .tuner.candidates import Bounds
+from .tuner.candidates import Range as TRange
+from .tuner.decide import Objectives, knob_changes, window_figures
+from .tuner.loop import Round, Tuner, TunerSettings
+from .tuner.observation import Observation
+
+#: shortest window worth judging (after a change, the window only counts what ran under it)
+MIN_WINDOW_S = 10.0
+
+
+@dataclass
+class Gathered:
+    observation: Observation
+    trace: list[dict[str, Any]]
+    window_s: float
+
+
+@dataclass
+class TickResult:
+    status_update: dict[str, Any] = field(default_factory=dict)
+    conditions: list[c.Cond] = field(default_factory=list)
+    events: list[EventSpec] = field(default_factory=list)
+    applied: dict[str, Any] = field(default_factory=dict)  # knob -> value written to status.engine
+
+
+def now_iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSettings:
+    """spec.autotune (bounds, objectives, cooldown) as the tuner's settings; a frozen knob is pinned
+    to its baseline value."""
+    allowed, base, wide = knob_bounds(spec), baseline_config(spec), Bounds()
+
+    def bound(k: str) -> TRange | tuple:
+        r, d = allowed.get(k), getattr(wide, k)
+        if isinstance(r, Range):
+            return TRange(max(r.min, d.lo), min(r.max, d.hi))
+        if isinstance(r, Choices):
+            return tuple(v for v in d if v in r.values)
+        v = getattr(base, k)
+        return TRange(v, v) if isinstance(d, TRange) else (v,)
+
+    bounds = Bounds(**{k: bound(k) for k in TUNABLE_KNOBS})
+    o = spec.autotune.objectives if spec.autotune and spec.autotune.objectives else None
+    dur = lambda v: parse_duration(v) if v else None  # noqa: E731
+    objectives = Objectives(
+        slo_ttft_s=dur(o and o.ttft_p95), slo_tpot_s=dur(o and o.tpot_p95),
+        max_preemptions_per_min=o.max_preemptions_per_minute if o else None,
+        cooldown_s=plan.cooldown_s, bad_memory_s=max(3600.0, 4 * plan.cooldown_s))
+    return TunerSettings(bounds=bounds, objectives=objectives)
+
+
+def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploymentSpec,
+           since_change_s: float | None, *, timeout_s: float = 10.0) -> Gathered:
+    """Prometheus over the window (never reaching back past the last change), then the state and
+    trace of one replica Prometheus scraped. Raises MetricsUnavailable with a reason."""
+    window = plan.window_s if since_change_s is None else min(plan.window_s, since_change_s)
+    if window < MIN_WINDOW_S:
+        raise MetricsUnavailable("WindowTooShort", f"only {window:.0f}s since the last change; "
+                                 f"waiting for at least {MIN_WINDOW_S:.0f}s of metrics under the new knobs")
+    w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s)
+    errors = []
+    for inst in w.instances:
+        url = inst if inst.startswith("http") else f"http://{inst}"
+        try:
+            with httpx.Client(timeout=timeout_s) as http:
+                state = http.get(f"{url}/kvtune/v1/state").raise_for_status().json()
+                since = max(0.0, float(state.get("uptime_s") or 0.0) - window)
+                trace = http.get(f"{url}/kvtune/v1/trace", params={"since_s": since, "limit": 5000}) \
+                    .raise_for_status().json().get("requests", [])
+        except (httpx.HTTPError, ValueError) as e:
+            errors.append(f"{url}: {e}")
+            continue
+        objectives = tuner_settings(spec, plan).objectives
+        obs = Observation.from_metrics(w.figures, state=state, trace=trace, window_s=window,
+                                       slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s)
+        return Gathered(obs, trace, window)
+    raise MetricsUnavailable("EngineUnreachable", "cannot read the engine's state and trace: "
+                             + ("; ".join(errors) or "Prometheus lists no engine instance"))
+
+
+def diagnosis_status(rnd: Round, window_s: float, now: float) -> dict[str, Any]:
+    o, d = rnd.observation, rnd.diagnosis
+    figs = {
+        "kvUsagePercent": round(100 * o.kv_usage_mean, 1),
+        "waiting": int(round(o.waiting_mean)), "running": int(round(o.running_mean)),
+        "internalFragmentationPercent": round(100 * o.internal_fragmentation_mean, 1),
+        "swapUsagePercent": round(100 * o.swap_usage_peak, 1),
+        "preemptionsPerMinute": round(60 * o.preemptions / window_s, 2) if window_s else 0.0,
+        "queueTimeP95Seconds": round(o.queue_time_p99_s, 3),
+        "throughputTokensPerSecond": round(o.output_tokens_per_s, 2),
+        "goodputRequestsPerSecond": round(o.goodput_requests_per_s, 3),
+        "waitingReasonShares": {k: round(v, 3) for k, v in o.waiting_cause_share.items()},
+    }
+    if o.prefix_cache_hit_rate is not None:
+        figs["prefixCacheHitPercent"] = round(100 * o.prefix_cache_hit_rate, 1)
+    return {"cause": d.cause, "message": d.message, "figures": figs, "observedAt": now_iso(now),
+            "window": f"{int(window_s)}s"}
+
+
+def _figures(f: dict[str, float] | None) -> dict[str, Any] | None:
+    keep = {"goodput_requests_per_s": "goodputRequestsPerSecond",
+            "output_tokens_per_s": "throughputTokensPerSecond", "queue_time_p99_s": "queueTimeP95Seconds"}
+    out = {camel: round(float(f[k]), 3) for k, camel in keep.items() if f and f.get(k) is not None}
+    return out or None
+
+
+def _camel(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in to_camel_dict(d).items() if v is not None}
+
+
+def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None, plan: AutotunePlan,
+         tuner: Tuner, gathered: Gathered, now: float) -> TickResult:
+    """One round of the tuning loop for one deployment: what to write back (never the spec)."""
+    out = TickResult()
+    obs, mode, ts = gathered.observation, plan.mode, now_iso(now)
+    current = effective_engine(spec, status, mode).config
+    tuning = {k: v for k, v in (status.tuning.dump() if status and status.tuning else {}).items()}
+    history = list(tuning.get("history") or [])
+    out.conditions.append(c.Cond("MetricsAvailable", "True", "WindowRead",
+                                 f"{int(gathered.window_s)}s of engine metrics and {len(gathered.trace)} "
+                                 "traced requests"))
+    stale = knob_changes(obs.config, current)
+    if stale:  # a change is still rolling out: a window of the old knobs would judge the wrong config
+        tuning.update(mode=mode.value, phase="Applying",
+                      message=f"waiting for the engines to run {_camel(stale)}")
+        out.status_update = {"tuning": tuning}
+        return out
+    rnd = tuner.round(obs, gathered.trace, now, apply=mode == AutotuneMode.APPLY)
+    out.status_update["diagnosis"] = diagnosis_status(rnd, gathered.window_s, now)
+
+    def record(entry: dict[str, Any], event_type: str) -> None:
+        entry = {k: v for k, v in entry.items() if v is not None}
+        history.append(entry)
+        tuning["lastChange"] = entry
+        out.events.append(EventSpec(event_type, f"Tuning{entry['action']}", entry["message"]))
+
+    target, phase, message = current, "Observing", rnd.note
+    if rnd.verdict is not None:
+        v = rnd.verdict
+        action = "Keep" if v.keep else "RollBack"
+        record({"time": ts, "action": action, "cause": rnd.diagnosis.cause, "message": v.reason,
+                "predicted": _figures(v.predicted), "measured": _figures(v.measured)},
+               "Normal" if v.keep else "Warning")
+        target, phase, message = rnd.config, ("Settled" if v.keep else "RolledBack"), v.reason
+    d = rnd.decision
+    if d is not None and d.action == "change":
+        apply = mode == AutotuneMode.APPLY
+        repeated = not apply and (tuning.get("lastChange") or {}).get("after") == _camel(d.changes)
+        if not repeated:  # Recommend mode: one event per new recommendation, not one per tick
+            record({"time": ts, "action": "Apply" if apply else "Recommend", "cause": rnd.diagnosis.cause,
+                    "message": f"{rnd.diagnosis.message} {d.reason}".strip(), "restart": d.restart,
+                    "before": _camel({k: getattr(d.current, k) for k in d.changes}), "after": _camel(d.changes),
+                    "predicted": _figures(window_figures(d.predicted or {}))}, "Normal")
+        if apply:
+            target, phase = d.config, "Verifying"
+            message = f"applied {_camel(d.changes)}; verifying over the next window"
+            if d.restart:
+                tuning["lastRestartTime"] = ts
+        else:
+            phase, message = "Recommended", f"recommends {_camel(d.changes)} (Recommend mode: not applied)"
+    elif d is not None and rnd.verdict is None:
+        message = d.reason
+    changes = knob_changes(current, target)
+    if changes and mode == AutotuneMode.APPLY:
+        out.status_update.update(tuned_status(spec, current, changes))
+        out.applied = changes
+    tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:])
+    out.status_update["tuning"] = tuning
+    settled = rnd.diagnosis.cause == "Healthy" or phase in ("Settled",)
+    out.conditions.append(c.Cond("Tuned", "True" if settled else "False", phase, message or rnd.diagnosis.message))
+    return out
+
+
+def _since_last_change(status: InferenceDeploymentStatus | None, now: float) -> float | None:
+    last = status.tuning.last_change if status and status.tuning else None
+    if last is None or last.action not in ("Apply", "RollBack"):
+        return None
+    t = dt.datetime.fromisoformat(str(last.time).replace("Z", "+00:00")).timestamp()
+    return max(0.0, now - t)
+
+
+class TuningLoop:
+    """Per-deployment tuners and their schedule; the kopf timer calls `maybe_tick` often and each
+    deployment is tuned at its own spec.autotune.interval."""
+
+    def __init__(self, reconciler: Any, settings: Any, clock: Callable[[], float] = time.time):
+        self.reconciler, self.settings, self.clock = reconciler, settings, clock
+        self.tuners: dict[tuple[str, str], Tuner] = {}
+        self.last: dict[tuple[str, str], float] = {}
+
+    def forget(self, namespace: str, name: str) -> None:
+        self.tuners.pop((namespace, name), None)
+        self.last.pop((namespace, name), None)
+
+    def maybe_tick(self, namespace: str, name: str, body: dict[str, Any]) -> TickResult | None:
+        from .model import InferenceDeployment
+
+        infd = InferenceDeployment.from_body(body)
+        plan = resolve_autotune(infd.spec, self.settings)
+        key, now = (namespace, name), self.clock()
+        if plan.mode == AutotuneMode.OFF:
+            self.forget(namespace, name)
+            return None
+        if now - self.last.get(key, -math.inf) < plan.interval_s:
+            return None
+        self.last[key] = now
+        settings = tuner_settings(infd.spec, plan)
+        tuner = self.tuners.get(key)
+        tuner = self.tuners[key] = Tuner(settings, state=tuner.state if tuner else None)
+        try:
+            gathered = gather(plan, namespace, name, infd.spec, _since_last_change(infd.status, now))
+        except MetricsUnavailable as e:
+            result = TickResult(conditions=[c.Cond("MetricsAvailable", "False", e.reason, str(e))])
+        else:
+            result = tick(infd.spec, infd.status, plan, tuner, gathered, now)
+        self.reconciler.reconcile(namespace, name, status_update=result.status_update,
+                                  conditions=result.conditions, events=result.events)
+        return result
