@@ -8,7 +8,8 @@ every sequence that ends its prompt or decodes.
 
 Sizing: on CUDA, weights and the activation peak of a dummy forward of `max_num_batched_tokens`
 tokens are measured and `kv/sizing.py` turns them (with gpu_memory_utilization) into blocks, the same
-formula the simulator uses; on CPU `kv_cache_memory` GiB sizes the cache.
+formula the simulator uses; on CPU `kv_cache_memory` GiB sizes the cache, or `device_memory_gib`
+makes the CPU stand in for a device of that size so that gpu_memory_utilization sizes it as on a GPU.
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class ModelRunner:
 
     def __init__(self, model: str | Path | CausalLM, config: EngineConfig, *, device: str | torch.device = "cpu",
                  dtype: str | torch.dtype | None = "auto", seed: int | None = None, use_triton: bool | None = None,
-                 num_blocks: int | None = None, num_swap_blocks: int | None = None):
+                 num_blocks: int | None = None, num_swap_blocks: int | None = None,
+                 device_memory_gib: float | None = None):
         self.config = config
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
@@ -80,10 +82,14 @@ class ModelRunner:
         if cuda:
             total = torch.cuda.get_device_properties(self.device).total_memory
             activations = self._profile_activations(weights)
+        elif device_memory_gib is not None:
+            # CPU standing in for a device of this size: gpu_memory_utilization sizes the KV cache
+            # exactly as on a GPU (demos and tests of memory tuning without a GPU).
+            total = int(device_memory_gib * 2**30)
         else:
             total = host_memory_bytes()
         kv_gib = config.kv_cache_memory
-        if not cuda and kv_gib is None:
+        if not cuda and kv_gib is None and device_memory_gib is None:
             kv_gib = CPU_DEFAULT_KV_GIB
             log.info("CPU run without kv_cache_memory: using %.1f GiB for the KV cache", kv_gib)
         self.sizing: KVCacheSize = kv_cache_size(
