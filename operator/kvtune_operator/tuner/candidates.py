@@ -459,6 +459,8 @@ def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), caus
 
     # max_num_batched_tokens (with chunked prefill off it must cover max_model_len)
     toks = {cfg.max_num_batched_tokens * 0.5, cfg.max_num_batched_tokens * 2.0}
+    if cfg.enable_chunked_prefill:  # smaller prefill chunks: shorter stalls for the running decodes
+        toks.add(cfg.max_num_batched_tokens * 0.25)
     if exhaustive or budget_blocked >= 0.02:
         toks.add(cfg.max_num_batched_tokens * 4.0)
         if L is not None and L.count:
@@ -466,6 +468,15 @@ def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), caus
     for v in sorted(toks):
         v = int(bounds.max_num_batched_tokens.clamp(_round_tokens(v, cfg.block_size)))
         move(f"max_num_batched_tokens {cfg.max_num_batched_tokens} -> {v}", max_num_batched_tokens=v)
+
+    # TPOT misses its target: smaller batches need both fewer sequences and smaller prefill chunks
+    # (either alone often moves the stall elsewhere), so these two move together
+    if slo_tpot_s is not None and obs.tpot_p99_s > slo_tpot_s and cfg.enable_chunked_prefill:
+        for fs, ft in ((0.25, 0.25), (0.5, 0.25), (0.5, 0.5)):
+            v = int(bounds.max_num_seqs.clamp(_round_seqs(cfg.max_num_seqs * fs)))
+            t = int(bounds.max_num_batched_tokens.clamp(_round_tokens(cfg.max_num_batched_tokens * ft, cfg.block_size)))
+            move(f"smaller batches: max_num_seqs {cfg.max_num_seqs} -> {v}, max_num_batched_tokens "
+                 f"{cfg.max_num_batched_tokens} -> {t}", max_num_seqs=v, max_num_batched_tokens=t)
 
     # chunked prefill
     if not cfg.enable_chunked_prefill and True in bounds.enable_chunked_prefill:
@@ -533,7 +544,8 @@ def combine(base: EngineConfig, moves: list[EngineConfig], bounds: Bounds, *, li
     per_knob: dict[str, dict[str, Any]] = {}
     for m in moves:
         ch = knob_changes(base, m)
-        if len(ch) == 1 or (len(ch) == 2 and "max_num_batched_tokens" in ch and "enable_chunked_prefill" in ch):
+        if len(ch) == 1 or (len(ch) == 2 and "max_num_batched_tokens" in ch
+                            and ("enable_chunked_prefill" in ch or "max_num_seqs" in ch)):
             key = "+".join(sorted(ch))
             per_knob.setdefault(key, ch)
     keys = list(per_knob)[:5]

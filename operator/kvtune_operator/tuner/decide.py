@@ -12,6 +12,7 @@ a live change beats a restart change (a rollout costs capacity) and fewer change
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -71,23 +72,28 @@ class Score:
     goodput: float
     throughput: float
     neg_recompute: int = 0
+    #: goodput of one request over the replay (1 / duration): differences of a few requests are noise
+    unit: float = field(default=0.0, compare=False)
 
     @classmethod
     def of(cls, summary: Mapping[str, Any], objectives: Objectives) -> "Score":
         feasible = True
         if objectives.max_preemptions_per_min is not None:
             feasible = preemptions_per_min(summary) <= objectives.max_preemptions_per_min
+        dur = _f(summary, "duration_s")
         return cls(feasible, _f(summary, "goodput_requests_per_s"), _f(summary, "output_tokens_per_s"),
-                   -recomputes(summary))
+                   -recomputes(summary), 1.0 / dur if dur > 0 else 0.0)
 
     def beats(self, other: "Score", margin: float) -> bool:
         """Better by more than ``margin`` (relative), on goodput first, throughput on a goodput tie,
-        then far fewer recompute preemptions."""
+        then far fewer recompute preemptions. A goodput difference counts only when it is also above
+        the noise floor (in deep overload, goodput is a handful of lucky requests)."""
         if self.feasible != other.feasible:
             return self.feasible
-        if self.goodput > other.goodput * (1 + margin) + 1e-12:
+        floor = self.noise_floor(other)
+        if self.goodput > other.goodput * (1 + margin) + 1e-12 and self.goodput - other.goodput >= floor:
             return True
-        if self.goodput < other.goodput * (1 - margin) - 1e-12:
+        if self.goodput < other.goodput * (1 - margin) - 1e-12 and other.goodput - self.goodput >= floor:
             return False
         if self.throughput > other.throughput * (1 + margin) + 1e-12:
             return True
@@ -96,11 +102,21 @@ class Score:
         mine, theirs = -self.neg_recompute, -other.neg_recompute
         return mine <= theirs / 2 and theirs - mine >= 3
 
+    def noise_floor(self, other: "Score") -> float:
+        """Least goodput difference that is not noise: one standard deviation of the count of requests
+        meeting the SLO (Poisson), and at least 3 requests, over the replay."""
+        unit = max(self.unit, other.unit)
+        if unit <= 0:
+            return 0.0
+        good = max(self.goodput, other.goodput) / unit
+        return max(3.0, math.sqrt(good)) * unit
+
     def close_to(self, other: "Score", margin: float) -> bool:
         """Goodput and throughput within ``margin`` of each other (preemptions aside)."""
-        def near(a: float, b: float) -> bool:
-            return abs(a - b) <= margin * max(abs(a), abs(b)) + 1e-12
-        return self.feasible == other.feasible and near(self.goodput, other.goodput) and \
+        def near(a: float, b: float, floor: float = 0.0) -> bool:
+            return abs(a - b) <= max(margin * max(abs(a), abs(b)), floor) + 1e-12
+        return self.feasible == other.feasible and \
+            near(self.goodput, other.goodput, self.noise_floor(other)) and \
             near(self.throughput, other.throughput)
 
 
@@ -222,31 +238,52 @@ class Verdict:
     prediction_error: float | None   # (measured - predicted) / predicted on goodput
 
 
-def judge(before: Mapping[str, float], measured: Mapping[str, float],
-          predicted: Mapping[str, float] | None, threshold: float) -> Verdict:
-    """Keep, or roll back when the measured window regressed beyond ``threshold`` vs the window before.
-
-    Compared figure: goodput share of the offered load; when both windows have (almost) no goodput,
-    output throughput. Falling short of the prediction alone is not a regression (it is reported).
-    """
-    b, m = before.get("goodput_share", 0.0), measured.get("goodput_share", 0.0)
+def _compare(ref: Mapping[str, float], measured: Mapping[str, float]) -> tuple[str, float]:
+    """(figure, relative change of ``measured`` vs ``ref``): goodput share of the load; throughput when
+    both have (almost) no goodput."""
+    b, m = ref.get("goodput_share", 0.0), measured.get("goodput_share", 0.0)
     what = "goodput"
     if b < 0.01 and m < 0.01:
-        b, m = before.get("output_tokens_per_s", 0.0), measured.get("output_tokens_per_s", 0.0)
+        b, m = ref.get("output_tokens_per_s", 0.0), measured.get("output_tokens_per_s", 0.0)
         what = "throughput"
-    change = (m - b) / b if b > 0 else (0.0 if m <= 0 else 1.0)
+    return what, ((m - b) / b if b > 0 else (0.0 if m <= 0 else 1.0))
+
+
+def judge(before: Mapping[str, float], measured: Mapping[str, float],
+          predicted: Mapping[str, float] | None, threshold: float,
+          counterfactual: Mapping[str, float] | None = None) -> Verdict:
+    """Keep, or roll back when the measured window regressed beyond ``threshold``.
+
+    A regression must show against the window before the change *and*, when given, against the
+    counterfactual: the old config replayed by the simulator on the very window measured after the
+    change. The second test tells a worse config from a heavier window (a burst after the change
+    makes the window worse than the one before under any config; the counterfactual sees the same
+    burst). Falling short of the prediction alone is not a regression (it is reported).
+    """
+    what, change = _compare(before, measured)
     perr = None
     if predicted:
         pg = predicted.get("goodput_requests_per_s", 0.0)
         if pg > 0:
             perr = (measured.get("goodput_requests_per_s", 0.0) - pg) / pg
-    if change < -threshold:
-        reason = f"{what} fell {-change:.0%} (more than {threshold:.0%}) after the change: rolled back"
-        return Verdict(False, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr)
-    reason = f"{what} {change:+.0%} vs the window before"
-    if perr is not None:
-        reason += f"; measured goodput {perr:+.0%} vs predicted"
-    return Verdict(True, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr)
+    cf_note = ""
+    regressed = change < -threshold
+    if regressed and counterfactual is not None:
+        cwhat, cchange = _compare(counterfactual, measured)
+        if cchange >= -threshold:
+            regressed = False
+            cf_note = (f"; the old config, replayed on this window, does no better ({cwhat} {cchange:+.0%}): "
+                       "the load changed, not the config's merit")
+        else:
+            cf_note = f" and {-cchange:.0%} below the old config replayed on this window"
+    keep = not regressed
+    if not keep:
+        reason = (f"{what} fell {-change:.0%} (more than {threshold:.0%}) after the change{cf_note}: rolled back")
+    else:
+        reason = f"{what} {change:+.0%} vs the window before{cf_note}"
+        if perr is not None:
+            reason += f"; measured goodput {perr:+.0%} vs predicted"
+    return Verdict(keep, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr)
 
 
 @dataclass
@@ -304,14 +341,16 @@ class TunerState:
                    "reason": decision.reason, "predicted": self.pending.predicted_figures,
                    "before": dict(before)})
 
-    def verify(self, measured: Mapping[str, float], now: float, objectives: Objectives) -> tuple[Verdict, EngineConfig]:
-        """Judge the window measured after the change. Returns the verdict and the config to run next
-        (the new one when kept, the old one when rolled back; the rolled-back candidate is barred for
+    def verify(self, measured: Mapping[str, float], now: float, objectives: Objectives,
+               counterfactual: Mapping[str, float] | None = None) -> tuple[Verdict, EngineConfig]:
+        """Judge the window measured after the change (``counterfactual``: the old config replayed on
+        that window, see ``judge``). Returns the verdict and the config to run next (the new one when
+        kept, the old one when rolled back; the rolled-back candidate is barred for
         ``objectives.bad_memory_s``)."""
         if self.phase != "Verifying" or self.pending is None:
             raise ValueError("nothing to verify")
         p = self.pending
-        v = judge(p.before_figures, measured, p.predicted_figures, objectives.regression_threshold)
+        v = judge(p.before_figures, measured, p.predicted_figures, objectives.regression_threshold, counterfactual)
         after = EngineConfig.model_validate(p.after)
         if v.keep:
             nxt = after

@@ -83,25 +83,38 @@ class Tuner:
         self.base_profile = base_profile
         self.state = state or TunerState()
 
-    def round(self, obs: Observation, trace: Sequence[Any], now: float, *, apply: bool = True) -> Round:
+    def round(self, obs: Observation, trace: Sequence[Any], now: float, *, apply: bool = True,
+              decide: bool = True) -> Round:
+        """One tick: verify the pending change (if any) on this window, then diagnose and, unless
+        ``decide`` is False, predict and choose. ``apply=False`` (Recommend mode) chooses without
+        starting a verification."""
         st, s = self.state, self.settings
         st.forget_expired(now)
         verdict = None
         cfg = obs.config
+        tr = as_trace(trace)
+        profile = fit = None
         if st.phase == "Verifying":
-            verdict, nxt = st.verify(measured_figures(obs), now, s.objectives)
+            counterfactual = None
+            if tr and st.pending is not None:
+                profile, fit = fitted(obs, self.base_profile)
+                old = Predictor(profile, s.slo).predict(tr, EngineConfig.model_validate(st.pending.before))
+                counterfactual = window_figures(old) if old is not None else None
+            verdict, nxt = st.verify(measured_figures(obs), now, s.objectives, counterfactual)
             if not verdict.keep:
                 diag = diagnose(obs, s.thresholds, s.safety, s.bounds)
-                return Round(now, obs, diag, nxt, verdict=verdict, note="rolled back; no new decision on "
-                             "a window measured under the rolled-back config")
+                return Round(now, obs, diag, nxt, verdict=verdict, fit=fit, note="rolled back; no new decision "
+                             "on a window measured under the rolled-back config")
         diag = diagnose(obs, s.thresholds, s.safety, s.bounds)
+        if not decide:
+            return Round(now, obs, diag, cfg, verdict=verdict, fit=fit, note="verification only")
         share = obs.goodput_requests_per_s / obs.requests_per_s if obs.requests_per_s > 0 else 0.0
         if diag.cause == "Healthy" and share >= s.healthy_goodput_share:
             return Round(now, obs, diag, cfg, verdict=verdict, note="healthy: nothing to change")
-        tr = as_trace(trace)
         if not tr:
             return Round(now, obs, diag, cfg, verdict=verdict, note="no trace: nothing to predict with")
-        profile, fit = fitted(obs, self.base_profile)
+        if profile is None:
+            profile, fit = fitted(obs, self.base_profile)
         pred = Predictor(profile, s.slo)
         baseline = pred.predict(tr, cfg)
         if baseline is None:
@@ -186,7 +199,7 @@ def measure(trace: Sequence[TraceRequest], cfg: EngineConfig, truth: Profile, sl
 
 def simulate_loop(windows: Sequence[Sequence[TraceRequest]], start: EngineConfig, truth: Profile,
                   settings: TunerSettings, *, base_profile: Profile | None = None, window_s: float = 300.0,
-                  fit_costs: bool = True, stop_when_settled: bool = True,
+                  fit_costs: bool = True, stop_when_settled: bool = True, verify_last: bool = False,
                   on_round: Callable[[WindowResult], None] | None = None) -> SimRun:
     """The operator's loop with the simulator as the engine: window i runs under the config in force,
     the tuner looks at it (verifying the last change first) and may change the config for window
@@ -195,6 +208,8 @@ def simulate_loop(windows: Sequence[Sequence[TraceRequest]], start: EngineConfig
     ``base_profile``: what the tuner knows before fitting (default: the truth's memory picture with
     its costs refitted from the recorded steps when ``fit_costs``; the truth itself otherwise).
     ``stop_when_settled``: stop after a window that neither verified nor decided a change.
+    ``verify_last``: the last window only verifies the pending change (no new decision), so the run
+    never ends on an unverified change.
     """
     tuner = Tuner(settings, base_profile=base_profile if base_profile is not None else truth)
     cfg = start
@@ -203,7 +218,8 @@ def simulate_loop(windows: Sequence[Sequence[TraceRequest]], start: EngineConfig
         obs = measure(w, cfg, truth, settings.slo, window_s=None)
         if not fit_costs:
             obs = obs.with_(step_samples=())
-        r = tuner.round(obs, w, now=i * window_s)
+        last = verify_last and i == len(windows) - 1
+        r = tuner.round(obs, w, now=i * window_s, decide=not last)
         wr = WindowResult(i, cfg, obs.summary or {}, r)
         results.append(wr)
         if on_round is not None:

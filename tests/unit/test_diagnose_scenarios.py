@@ -1,0 +1,104 @@
+"""The diagnosis names the cause of each scenario of the field reports, from real simulator runs.
+
+Each scenario's own trace (shortened to keep the test fast) runs through the simulator under the
+scenario's mis-tuned baseline; the diagnosis must name the scenario's cause, point at its knob, and
+say it in a sentence with the figures behind it. Under the scenario's fix the cause must go away.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from kvtune_engine.config import EngineConfig
+from kvtune_engine.sim.profile import load_profile
+from kvtune_engine.sim.scenarios import SCENARIOS, mix
+from kvtune_engine.sim.simulator import SLO, simulate
+from kvtune_operator.tuner.candidates import Bounds
+from kvtune_operator.tuner.diagnose import diagnose
+from kvtune_operator.tuner.observation import Observation
+
+# scenario -> (requests kept from the scenario's trace, expected cause, knob the cause names)
+CASES = {
+    "seq-cap": (300, "SequenceCap", "max_num_seqs"),
+    "shared-prefix": (300, "SharedPrefixPinning", "gpu_memory_utilization"),
+    "long-prompt": (400, "LongPromptHeadOfLine", "enable_chunked_prefill"),
+    "block-waste": (4000, "BlockWaste", "block_size"),
+    "low-memory": (300, "LowKVMemory", "gpu_memory_utilization"),
+    "swap-full": (300, "SwapFull", "swap_space"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def observed(name: str, fixed: bool = False) -> Observation:
+    sc = SCENARIOS[name]
+    n = CASES[name][0]
+    trace = sc.trace(0)[:n]
+    cfg = EngineConfig.build(**{**sc.baseline, **(sc.fix if fixed else {})})
+    summary = simulate(trace, cfg, load_profile(sc.profile), SLO(sc.slo_ttft_s, sc.slo_tpot_s))
+    return Observation.from_sim_summary(summary, trace=trace)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_names_the_scenarios_cause(name):
+    _, cause, knob = CASES[name]
+    d = diagnose(observed(name))
+    assert d.cause == cause, d.message
+    assert d.knob == knob
+    assert d.message.endswith(".") and len(d.message) < 400
+    assert d.figures  # the figures behind it
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_the_fix_removes_the_cause(name):
+    _, cause, _ = CASES[name]
+    d = diagnose(observed(name, fixed=True))
+    assert d.cause != cause, d.message
+
+
+def test_sequence_cap_message_reads_like_the_field_report():
+    obs = observed("seq-cap")
+    d = diagnose(obs)
+    assert d.message.startswith("Requests wait on the sequence cap: 64 of 64 sequences running while KV usage is ")
+    kv = round(100 * obs.kv_usage_mean)
+    assert f"KV usage is {kv}%" in d.message
+    # the suggested cap is higher and is what the message says
+    assert d.suggestion["max_num_seqs"] > 64
+    assert f"raising maxNumSeqs to {d.suggestion['max_num_seqs']} fits in the free blocks" in d.message
+
+
+def test_suggestions_respect_the_users_bounds():
+    d = diagnose(observed("seq-cap"), bounds=Bounds.parse(["max-num-seqs=32:100"]))
+    assert 64 < d.suggestion["max_num_seqs"] <= 100
+    d = diagnose(observed("low-memory"), bounds=Bounds.parse(["gpu-memory-utilization=0.5:0.8"]))
+    assert d.cause == "LowKVMemory"
+    assert d.suggestion["gpu_memory_utilization"] <= 0.8
+    assert "to 0.8 " in d.message
+
+
+def test_low_memory_never_suggests_more_than_the_measured_memory_allows():
+    obs = observed("low-memory")
+    d = diagnose(obs)
+    m = obs.memory
+    u = d.suggestion["gpu_memory_utilization"]
+    assert u > obs.config.gpu_memory_utilization
+    # weights + activation peak + the KV cache at the suggested utilization leave the safety margin
+    kv_after = u * m["device_total"] - m["weights"] - m["activations_peak"]
+    assert m["weights"] + m["activations_peak"] + kv_after <= m["device_total"] - (1 << 30)
+
+
+def test_swap_full_suggests_a_pool_that_holds_the_observed_volume():
+    obs = observed("swap-full")
+    d = diagnose(obs)
+    assert obs.swap_full > 0 and obs.swap_usage_peak > 0.9
+    assert d.suggestion["swap_space"] > obs.config.swap_space
+    assert f"{obs.swap_full} preemptions found the 1 GiB swap pool" in d.message
+
+
+def test_healthy():
+    trace = mix(requests=200, rate=2.0, prompt_mean=300, output_mean=200, seed=3)
+    summary = simulate(trace, EngineConfig(), load_profile("a100-llama3-8b"), SLO(2.0, 0.1))
+    d = diagnose(Observation.from_sim_summary(summary, trace=trace))
+    assert d.cause == "Healthy", d.message
+    assert d.message.startswith("Healthy: the queue head was blocked in 0% of steps")
+    assert d.knob is None and not d.suggestion
