@@ -155,15 +155,21 @@ def samples_from_windows(rows: Sequence[tuple[float, float, float, float]]) -> l
     return [StepSample(d, t, c, n) for d, t, c, n in rows if n > 0]
 
 
-def samples_from_engine_steps(steps: Iterable[dict]) -> list[StepSample]:
-    """The engine's step log (``GET /kvtune/v1/steps``) as samples."""
+def samples_from_engine_steps(steps: Iterable[dict], block_bytes: float | None = None) -> list[StepSample]:
+    """The engine's step log (``GET /kvtune/v1/steps``: ``duration_s``, ``batched_tokens``,
+    ``decode_context_tokens``, ``swap_in_blocks``/``swap_out_blocks``, optionally ``prefill_pairs``) as
+    samples. The whole step's wall time is the figure the simulator's cost model stands for (its
+    ``step_overhead_s`` covers scheduling and sampling); ``block_bytes`` turns swapped blocks into bytes."""
     out = []
     for s in steps:
         try:
-            d = float(s.get("runner_s") or s["duration_s"])
-            out.append(StepSample(d, float(s.get("batched_tokens", 0)), float(s.get("decode_context_tokens", 0)),
-                                  1.0, float(s.get("prefill_pairs", 0) or 0),
-                                  float(s.get("swapped_bytes", 0) or 0)))
+            d = float(s["duration_s"])
+            swapped = 0.0
+            if block_bytes:
+                swapped = (float(s.get("swap_in_blocks", 0) or 0) + float(s.get("swap_out_blocks", 0) or 0)) * block_bytes
+            out.append(StepSample(d, float(s.get("batched_tokens", 0) or 0),
+                                  float(s.get("decode_context_tokens", 0) or 0), 1.0,
+                                  float(s.get("prefill_pairs", 0) or 0), swapped))
         except (KeyError, TypeError, ValueError):
             continue
     return out

@@ -186,6 +186,16 @@ class Observation:
     def with_(self, **changes: Any) -> "Observation":
         return replace(self, **changes)
 
+    def with_engine_steps(self, steps: Iterable[Mapping[str, Any]]) -> "Observation":
+        """This observation with the engine's step log (``GET /kvtune/v1/steps``) as its step samples,
+        so that predictions run on step costs fitted from this very engine."""
+        from .fit import samples_from_engine_steps
+
+        kv = float(self.memory.get("kv_cache", 0) or 0)
+        block_bytes = kv / self.num_blocks if kv > 0 and self.num_blocks else None
+        samples = samples_from_engine_steps(steps, block_bytes)
+        return replace(self, step_samples=tuple(samples)) if samples else self
+
     # ---- constructors ----
     @classmethod
     def from_sim_summary(cls, summary: Mapping[str, Any], *, trace: Iterable[Any] | None = None,
