@@ -110,7 +110,7 @@ class Tuner:
             return Round(now, obs, diag, cfg, verdict=verdict, fit=fit, note="verification only")
         share = obs.goodput_requests_per_s / obs.requests_per_s if obs.requests_per_s > 0 else 0.0
         if diag.cause == "Healthy" and share >= s.healthy_goodput_share:
-            return Round(now, obs, diag, cfg, verdict=verdict, note="healthy: nothing to change")
+            return Round(now, obs, diag, cfg, verdict=verdict, note="nothing to change")
         if not tr:
             return Round(now, obs, diag, cfg, verdict=verdict, note="no trace: nothing to predict with")
         if profile is None:
@@ -130,11 +130,50 @@ class Tuner:
             combos = combine(cfg, [c for c, _ in improving], s.bounds)
             preds += pred.predict_many(tr, combos)
         decision = choose(cfg, baseline, preds, s.objectives, state=st, now=now)
+        if s.combine and decision.action == "change" and decision.restart:
+            # a restart costs capacity: before spending one, see whether the restart candidates as
+            # good as the chosen one make room for live gains (more memory -> more sequences), and
+            # take those together, in this one restart
+            extra = self._restart_lookahead(cfg, decision, preds, pred, tr)
+            if extra:
+                preds += extra
+                decision = choose(cfg, baseline, preds, s.objectives, state=st, now=now)
         out = Round(now, obs, diag, cfg, verdict=verdict, decision=decision, fit=fit, predictions=pred.runs)
         if decision.action == "change" and apply:
             st.begin(decision, measured_figures(obs), now)
             out.config = decision.config
         return out
+
+    def _restart_lookahead(self, cfg: EngineConfig, decision: Decision, preds: list, pred: Predictor,
+                           tr: Sequence[TraceRequest], top: int = 3) -> list:
+        from kvtune_engine.config import RESTART_KNOBS
+
+        from .candidates import _try
+        from .decide import knob_changes
+
+        s = self.settings
+        restarts = [(c, sm) for c, sm in preds if RESTART_KNOBS & knob_changes(cfg, c).keys()
+                    and not self.state.is_bad(c, 0.0)]
+        restarts.sort(key=lambda p: _key(p[1], s.objectives), reverse=True)
+        # the best few distinct restart settings (e.g. each memory size once), with the current live knobs
+        seen: dict[str, EngineConfig] = {}
+        for c, _ in restarts:
+            rk = {k: v for k, v in knob_changes(cfg, c).items() if k in RESTART_KNOBS}
+            key = repr(sorted(rk.items()))
+            if key not in seen:
+                seen[key] = _try(cfg, s.bounds, **rk) or c
+            if len(seen) >= top:
+                break
+        extra: list[EngineConfig] = []
+        for c in seen.values():
+            for ch in ({"max_num_seqs": int(c.max_num_seqs * 1.5)}, {"max_num_seqs": c.max_num_seqs * 2},
+                       {"max_num_batched_tokens": c.max_num_batched_tokens // 2}):
+                k, v = next(iter(ch.items()))
+                r = getattr(s.bounds, k)
+                n = _try(c, s.bounds, **{k: int(r.clamp(v))})
+                if n is not None and n != c:
+                    extra.append(n)
+        return pred.predict_many(tr, [c for c in seen.values() if c not in [p[0] for p in preds]] + extra)
 
     def candidates(self, obs: Observation, diag: Diagnosis) -> CandidateSet:
         s = self.settings
