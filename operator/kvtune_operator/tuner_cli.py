@@ -77,9 +77,9 @@ def observation_dict(obs: Any) -> dict[str, Any]:
 
 @click.command("diagnose")
 @click.option("--url", required=True, help="The engine's base URL, e.g. http://127.0.0.1:8000.")
-@click.option("--window", "window_s", type=float, default=0.0, show_default=True,
+@click.option("--window", "window_s", type=float, default=10.0, show_default=True,
               help="Observe this many seconds (several scrapes; counters as increases, gauges averaged). "
-                   "0: one scrape, counters since the engine started.")
+                   "0: one scrape, counters since the engine started and gauges as they are now.")
 @click.option("--slo-ttft", type=float, default=None, help="TTFT target (s) for the goodput estimate.")
 @click.option("--slo-tpot", type=float, default=None, help="TPOT target (s) for the goodput estimate.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")

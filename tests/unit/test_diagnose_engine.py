@@ -53,8 +53,15 @@ def histograms(steps: int = 1000):
 
 @pytest.fixture
 def engine_url():
+    scrapes = {"n": 0}
+
+    def snapshot() -> dict:
+        # every scrape sees 1000 more steps, 90% of them stopped by the sequence cap
+        scrapes["n"] += 1
+        return seq_cap_snapshot(steps=1000 * scrapes["n"])
+
     snap = seq_cap_snapshot()
-    metrics = EngineMetrics(lambda: snap, histograms(), "m")
+    metrics = EngineMetrics(snapshot, histograms(), "m")
     trace = {"requests": [{"arrival_s": i * 0.05, "prompt_tokens": 400 + i % 200, "output_tokens": 100}
                           for i in range(1000)]}
 
@@ -115,14 +122,17 @@ def test_counters_over_a_window_are_increases_and_gauges_are_averages():
 
 
 def test_kvtune_diagnose_url(engine_url):
-    r = CliRunner().invoke(main, ["diagnose", "--url", engine_url])
+    r = CliRunner().invoke(main, ["diagnose", "--url", engine_url, "--window", "0"])
     assert r.exit_code == 0, r.output
     assert r.output.startswith("SequenceCap: Requests wait on the sequence cap: 64 of 64 sequences running")
     assert "raising maxNumSeqs to" in r.output
-    r = CliRunner().invoke(main, ["diagnose", "--url", engine_url, "--json"])
+    # over a window: the counters' increases between the scrapes (here 90% of the new steps)
+    r = CliRunner().invoke(main, ["diagnose", "--url", engine_url, "--window", "0.2", "--json"])
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["diagnosis"]["cause"] == "SequenceCap"
+    assert out["observation"]["waiting_cause_share"]["max_num_seqs"] == pytest.approx(0.9, abs=0.01)
+    assert out["observation"]["window_s"] == pytest.approx(0.2)
     assert out["diagnosis"]["suggestion"]["max_num_seqs"] > 64
     assert out["observation"]["config"]["max-num-seqs"] == 64
     assert out["observation"]["lengths"]["count"] == 1000

@@ -100,5 +100,5 @@ def test_healthy():
     summary = simulate(trace, EngineConfig(), load_profile("a100-llama3-8b"), SLO(2.0, 0.1))
     d = diagnose(Observation.from_sim_summary(summary, trace=trace))
     assert d.cause == "Healthy", d.message
-    assert d.message.startswith("Healthy: the queue head was blocked in 0% of steps")
+    assert d.message.startswith("Nothing holds requests back: the queue head was blocked in 0% of steps")
     assert d.knob is None and not d.suggestion

@@ -291,8 +291,8 @@ class MemoryPicture:
         m = obs.memory
         total = float(m.get("device_total", 0) or 0)
         kv = float(m.get("kv_cache", 0) or 0)
-        if total <= 0 or kv <= 0 or obs.num_blocks <= 0:
-            return None
+        if total <= 0 or kv <= 0 or obs.num_blocks <= 0 or obs.config.kv_cache_memory is not None:
+            return None  # (a fixed kv_cache_memory: gpu_memory_utilization does not size the cache)
         return cls(device_total=total, weights=float(m.get("weights", 0) or 0),
                    activations_peak=float(m.get("activations_peak", 0) or 0), kv_cache=kv,
                    tokens_budget=obs.config.max_num_batched_tokens,

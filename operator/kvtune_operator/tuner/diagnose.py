@@ -162,13 +162,20 @@ def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Sa
     # 3. sequence cap
     if seqs_share >= th.blocked_share and seqs_share >= blocks_share and obs.kv_usage_mean < th.seq_cap_kv_usage:
         fit = seq_cap_fit(obs) or cfg.max_num_seqs * 2
+        demand = obs.running_peak + obs.waiting_peak
+        if demand > cfg.max_num_seqs:  # no use raising it past what is there to run (plus a margin)
+            fit = min(fit, int(demand * 1.25))
         fit = max(fit, cfg.max_num_seqs + 1)
         fit = int(fit if fit < 32 else fit // 16 * 16)
         fit = max(cfg.max_num_seqs, int(bounds.max_num_seqs.clamp(fit)))
         figs = {**common, "seq_cap_fit": fit, "blocked_share": round(seqs_share, 4)}
-        msg = (f"Requests wait on the sequence cap: {_n(obs.running_peak)} of {cfg.max_num_seqs} sequences "
-               f"running while KV usage is {_pct(obs.kv_usage_mean)}; raising {CAMEL['max_num_seqs']} to "
-               f"{fit} fits in the free blocks.")
+        if obs.running_peak >= 0.9 * cfg.max_num_seqs:
+            where = f"{_n(obs.running_peak)} of {cfg.max_num_seqs} sequences running"
+        else:  # the queue gauges missed the busy moments (one scrape): say what the counters saw
+            where = (f"the cap of {cfg.max_num_seqs} sequences stopped the queue head in {_pct(seqs_share)} "
+                     "of steps")
+        msg = (f"Requests wait on the sequence cap: {where} while KV usage is {_pct(obs.kv_usage_mean)}; "
+               f"raising {CAMEL['max_num_seqs']} to {fit} fits in the free blocks.")
         return Diagnosis("SequenceCap", msg, figs, "max_num_seqs", {"max_num_seqs": fit})
 
     # 4-6. not enough blocks: pinned prefix blocks, tail waste, too little memory
@@ -253,7 +260,7 @@ def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Sa
     # nothing stops the head often: healthy, or compute-bound
     if obs.blocked_share < th.blocked_share and pre_per_min < th.preemptions_per_min \
             and obs.queue_time_p99_s <= th.healthy_queue_p99_s:
-        msg = (f"Healthy: the queue head was blocked in {_pct(obs.blocked_share)} of steps, KV usage "
+        msg = (f"Nothing holds requests back: the queue head was blocked in {_pct(obs.blocked_share)} of steps, KV usage "
                f"{_pct(obs.kv_usage_mean)}, {obs.preemptions} preemptions, p99 queue time "
                f"{_secs(obs.queue_time_p99_s)}.")
         return Diagnosis("Healthy", msg, common, None, {})
