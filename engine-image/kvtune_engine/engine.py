@@ -447,9 +447,8 @@ class LLMEngine:
             new = outs[tr.num_seen:]
             tr.num_seen = len(outs)
             news.append(new)
-            ids = tr.ctx + outs
-            prefix_seqs.append(ids[tr.prefix_offset:tr.read_offset])
-            full_seqs.append(ids[tr.prefix_offset:])
+            prefix_seqs.append(_window(tr.ctx, outs, tr.prefix_offset, tr.read_offset))
+            full_seqs.append(_window(tr.ctx, outs, tr.prefix_offset, None))
         if self.tokenizer is None:
             return news
         texts = self.tokenizer.decode_many(prefix_seqs + full_seqs)
@@ -715,6 +714,16 @@ def build_engine(model_dir: str, config: EngineConfig | None = None, *, device: 
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+def _window(ctx: list[int], outs: list[int], a: int, b: int | None) -> list[int]:
+    """(ctx + outs)[a:b] without building ctx + outs (the output grows every step)."""
+    n = len(ctx)
+    if b is None:
+        b = n + len(outs)
+    if a >= n:
+        return outs[a - n:b - n]
+    return ctx[a:b] + (outs[:b - n] if b > n else [])
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
