@@ -62,6 +62,9 @@ def _port(port: int | None) -> int:
 @click.option("--served-model-name", default=None, help="Model name in the API (default: the directory name).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (cuda:N).")
 @click.option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16 or float16.")
+@click.option("--device-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GIB",
+              help="CPU only: stand in for a device of this many GiB, so that --gpu-memory-utilization "
+                   "sizes the KV cache as on a GPU (demos, tests of memory tuning).")
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=None,
               help=f"Port (default: $KVTUNE_PORT, else {DEFAULT_PORT}).")
@@ -73,7 +76,8 @@ def _port(port: int | None) -> int:
               help="Bound of the waiting queue; beyond it requests get 503 with Retry-After.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
-def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str, host: str, port: int | None,
+def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str, device_memory: float | None,
+          host: str, port: int | None,
           api_key: str | None, config_file: str | None, max_waiting: int | None, log_level: str,
           **flags: Any) -> None:
     """Serve a model: OpenAI-compatible API, /metrics, and the admin API under /kvtune/v1/."""
@@ -108,12 +112,14 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     except ConfigError as e:
         raise click.UsageError(f"invalid engine config (flags + {config_file}): {e}") from None
 
+    if device_memory is not None and (device != "cpu" or cfg.kv_cache_memory is not None):
+        raise click.UsageError("--device-memory applies to --device cpu without --kv-cache-memory")
     api_key = api_key or os.environ.get("KVTUNE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
     from ..engine import LLMEngine
     try:
         engine = LLMEngine.from_model_dir(model_dir, cfg, device=device, dtype=dtype,
-                                          served_model_name=served_model_name)
+                                          served_model_name=served_model_name, device_memory_gib=device_memory)
     except (ConfigError, ValueError, FileNotFoundError, OSError) as e:
         raise click.ClickException(f"cannot start the engine: {e}") from None
     except RuntimeError as e:  # torch: no CUDA, out of memory, ...
