@@ -9,6 +9,7 @@ of one engine replica it scraped.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,14 +20,14 @@ import httpx
 from . import conditions as c
 from .effective import (AutotunePlan, Choices, Range, baseline_config, effective_engine, knob_bounds,
                         resolve_autotune, tuned_status)
-from .model import (TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, InferenceDeploymentSpec,
+from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, InferenceDeploymentSpec,
                     InferenceDeploymentStatus, parse_duration, to_camel_dict)
 from .prometheus import MetricsUnavailable, read_window
 from .reconcile import EventSpec
 from .tuner.candidates import Bounds
 from .tuner.candidates import Range as TRange
-from .tuner.decide import Objectives, knob_changes, window_figures
-from .tuner.loop import Round, Tuner, TunerSettings
+from .tuner.decide import Decision, Objectives, knob_changes, window_figures
+from .tuner.loop import Round, Tuner, TunerSettings, measured_figures
 from .tuner.observation import Observation
 
 #: shortest window worth judging (after a change, the window only counts what ran under it)
@@ -135,9 +136,29 @@ def _camel(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in to_camel_dict(d).items() if v is not None}
 
 
+TRY_ANNOTATION = "kvtune.io/try"
+
+
+def parse_trial(annotations: dict[str, str] | None) -> dict[str, Any] | None:
+    """The knobs of the `kvtune.io/try` annotation (JSON, camelCase, e.g. {"maxNumSeqs": 96}): a
+    candidate the user asks to try; applied like a tuner decision, verified, rolled back if worse."""
+    raw = (annotations or {}).get(TRY_ANNOTATION)
+    if not raw:
+        return None
+    try:
+        knobs = json.loads(raw)
+        if not isinstance(knobs, dict):
+            raise ValueError("not an object")
+        return {KNOBS_BY_CAMEL[k]: v for k, v in knobs.items()}
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"annotation {TRY_ANNOTATION} must be a JSON object of engine knobs "
+                         f"({', '.join(sorted(KNOBS_BY_CAMEL))}): {e}") from None
+
+
 def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None, plan: AutotunePlan,
-         tuner: Tuner, gathered: Gathered, now: float) -> TickResult:
-    """One round of the tuning loop for one deployment: what to write back (never the spec)."""
+         tuner: Tuner, gathered: Gathered, now: float, trial: dict[str, Any] | None = None) -> TickResult:
+    """One round of the tuning loop for one deployment: what to write back (never the spec).
+    `trial`: knobs the user asked to try (kvtune.io/try), decided instead of the tuner's choice."""
     out = TickResult()
     obs, mode, ts = gathered.observation, plan.mode, now_iso(now)
     current = effective_engine(spec, status, mode).config
@@ -152,7 +173,13 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
                       message=f"waiting for the engines to run {_camel(stale)}")
         out.status_update = {"tuning": tuning}
         return out
-    rnd = tuner.round(obs, gathered.trace, now, apply=mode == AutotuneMode.APPLY)
+    trying = trial is not None and mode == AutotuneMode.APPLY and tuner.state.phase != "Verifying"
+    rnd = tuner.round(obs, gathered.trace, now, apply=mode == AutotuneMode.APPLY, decide=not trying)
+    if trying and rnd.verdict is None:
+        cfg = current.with_changes(**trial)
+        rnd.decision = Decision("change", f"trying the knobs of annotation {TRY_ANNOTATION}", current, cfg,
+                                knob_changes(current, cfg), restart=bool(current.restart_changes(cfg)))
+        tuner.state.begin(rnd.decision, measured_figures(obs), now)
     out.status_update["diagnosis"] = diagnosis_status(rnd, gathered.window_s, now)
 
     def record(entry: dict[str, Any], event_type: str) -> None:
@@ -214,6 +241,7 @@ class TuningLoop:
         self.reconciler, self.settings, self.clock = reconciler, settings, clock
         self.tuners: dict[tuple[str, str], Tuner] = {}
         self.last: dict[tuple[str, str], float] = {}
+        self.tried: dict[tuple[str, str], str] = {}  # kvtune.io/try values already tried
 
     def forget(self, namespace: str, name: str) -> None:
         self.tuners.pop((namespace, name), None)
@@ -239,7 +267,17 @@ class TuningLoop:
         except MetricsUnavailable as e:
             result = TickResult(conditions=[c.Cond("MetricsAvailable", "False", e.reason, str(e))])
         else:
-            result = tick(infd.spec, infd.status, plan, tuner, gathered, now)
+            trial = None
+            raw = (infd.metadata.annotations or {}).get(TRY_ANNOTATION) if infd.metadata else None
+            if raw and self.tried.get(key) != raw:
+                try:
+                    trial = parse_trial({TRY_ANNOTATION: raw})
+                except ValueError as e:
+                    self.tried[key] = raw
+                    self.reconciler.reconcile(namespace, name, events=[EventSpec("Warning", "InvalidTrial", str(e))])
+            result = tick(infd.spec, infd.status, plan, tuner, gathered, now, trial=trial)
+            if trial is not None and result.applied:
+                self.tried[key] = raw
         self.reconciler.reconcile(namespace, name, status_update=result.status_update,
                                   conditions=result.conditions, events=result.events)
         return result

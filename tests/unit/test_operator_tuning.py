@@ -110,3 +110,30 @@ def test_a_regression_after_the_change_is_rolled_back_and_remembered(seq_cap_win
     assert res.status_update["tuning"]["phase"] == "RolledBack"
     assert any(e.reason == "TuningRollBack" and e.type == "Warning" for e in res.events)
     assert tuner.state.is_bad(cfg, 1_000_300.0)                     # not tried again for a while
+
+
+def test_a_tried_candidate_is_applied_verified_and_rolled_back_when_worse(seq_cap_window):
+    from kvtune_operator.tuning import TRY_ANNOTATION, parse_trial
+
+    trial = parse_trial({TRY_ANNOTATION: '{"maxNumSeqs": 32}'})
+    assert trial == {"max_num_seqs": 32}
+    obj = infd("Apply")
+    plan = plan_of(obj)
+    tuner = Tuner(tuner_settings(obj.spec, plan), base_profile=PROFILE)
+    first = tick(obj.spec, obj.status, plan, tuner, seq_cap_window, now=2_000_000.0, trial=trial)
+    assert first.applied == {"max_num_seqs": 32} and first.status_update["tuning"]["phase"] == "Verifying"
+    after = infd("Apply", {k: first.status_update[k] for k in ("engine", "baseline", "tuning")})
+    cfg = effective_engine(after.spec, after.status, AutotuneMode.APPLY).config
+    worse = window(cfg)  # the real simulated window under the halved cap
+    res = tick(after.spec, after.status, plan, tuner, worse, now=2_000_200.0)
+    assert [h["action"] for h in res.status_update["tuning"]["history"]] == ["Apply", "RollBack"]
+    assert res.status_update["engine"]["maxNumSeqs"] == 64
+
+
+def test_a_malformed_trial_names_the_annotation_and_the_knobs():
+    from kvtune_operator.tuning import TRY_ANNOTATION, parse_trial
+
+    with pytest.raises(ValueError, match="kvtune.io/try.*maxNumSeqs"):
+        parse_trial({TRY_ANNOTATION: '{"maxSeqs": 3}'})
+    with pytest.raises(ValueError, match="JSON object"):
+        parse_trial({TRY_ANNOTATION: "[1]"})
