@@ -79,8 +79,8 @@ def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSe
 
 def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploymentSpec,
            since_change_s: float | None, *, timeout_s: float = 10.0) -> Gathered:
-    """Prometheus over the window (never reaching back past the last change), then the state and
-    trace of one replica Prometheus scraped. Raises MetricsUnavailable with a reason."""
+    """Prometheus over the window (never reaching back past the last change), then the state, trace
+    and step log of one replica Prometheus scraped. Raises MetricsUnavailable with a reason."""
     window = plan.window_s if since_change_s is None else min(plan.window_s, since_change_s)
     if window < MIN_WINDOW_S:
         raise MetricsUnavailable("WindowTooShort", f"only {window:.0f}s since the last change; "
@@ -95,13 +95,15 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
                 since = max(0.0, float(state.get("uptime_s") or 0.0) - window)
                 trace = http.get(f"{url}/kvtune/v1/trace", params={"since_s": since, "limit": 5000}) \
                     .raise_for_status().json().get("requests", [])
+                steps = http.get(f"{url}/kvtune/v1/steps", params={"limit": 2000}).raise_for_status().json()
         except (httpx.HTTPError, ValueError) as e:
             errors.append(f"{url}: {e}")
             continue
         objectives = tuner_settings(spec, plan).objectives
         obs = Observation.from_metrics(w.figures, state=state, trace=trace, window_s=window,
                                        slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s)
-        return Gathered(obs, trace, window)
+        # the step log gives the cost fit one sample per step (the histograms only their means)
+        return Gathered(obs.with_engine_steps(steps.get("steps", [])), trace, window)
     raise MetricsUnavailable("EngineUnreachable", "cannot read the engine's state and trace: "
                              + ("; ".join(errors) or "Prometheus lists no engine instance"))
 
