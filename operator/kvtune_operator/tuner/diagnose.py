@@ -184,7 +184,11 @@ def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Sa
         shared = obs.shared_blocks_share or 0.0
         hit = obs.prefix_cache_hit_rate
         prefix_heavy = L is not None and L.prefix_share >= 0.3 and L.prefix_tokens_mean >= 0.3 * max(1.0, L.prompt_p50)
-        pinned = max(cached, shared)
+        # Idle cached blocks are evictable, hence allocatable: only blocks that running requests share
+        # pin memory. Without a shared-block figure, idle cached blocks stand in for them only when the
+        # trace shows shared prefixes (otherwise they are just recently freed blocks, e.g. after a
+        # recompute preemption).
+        pinned = shared if obs.shared_blocks_share is not None else (cached if prefix_heavy else 0.0)
         if cfg.enable_prefix_caching and blocks_share >= th.blocked_share and (
                 pinned >= th.cached_share or (prefix_heavy and obs.shared_blocks_share is None)):
             low_hit = hit is not None and hit < th.low_hit_rate
