@@ -18,8 +18,7 @@ controlplane:
 	bash tests/controlplane/setup.sh
 
 demo: setup
-	$(BIN)/kvtune trace gen --scenario seq-cap -o /tmp/kvtune-seq-cap.jsonl
-	$(BIN)/kvtune sim --trace /tmp/kvtune-seq-cap.jsonl --profile h200-qwen3-0.6b --max-num-seqs 64
+	$(BIN)/kvtune demo
 
 test: setup controlplane
 	$(BIN)/python -m pytest tests

@@ -12,6 +12,7 @@ COMMANDS = {
     "sim": ("kvtune_engine.sim.cli:sim", "Replay a request trace through the scheduler in virtual time."),
     "trace": ("kvtune_engine.sim.cli:trace", "Generate request traces (scenarios, synthetic mixes)."),
     "serve": ("kvtune_engine.server.cli:serve", "Serve a model: OpenAI API, /metrics, admin API /kvtune/v1/."),
+    "demo": ("kvtune_operator.demo:demo", "Watch the tuner fix a mis-tuned engine, live, on this machine (no cluster)."),
     "diagnose": ("kvtune_operator.tuner_cli:diagnose_cmd", "Say why requests wait on a live engine (its /metrics and state)."),
     "tune": ("kvtune_operator.tuner_cli:tune_cmd", "Recommend engine flags for a trace (the tuner's loop, in the simulator)."),
     "make-tiny-model": ("kvtune_engine.model.tiny:make_tiny_model_cmd", "Write a small random Llama/Qwen model with a real tokenizer (tests, demo)."),

@@ -1,0 +1,71 @@
+"""`kvtune demo`: see session.py."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+
+def ensure_model(out: Path) -> Path:
+    from .session import MODEL_SHAPE
+
+    model = out / "model"
+    if not (model / "config.json").exists():
+        args = [f"--{k.replace('_', '-')}={v}" for k, v in MODEL_SHAPE.items()]
+        subprocess.run([sys.executable, "-c", "from kvtune_operator.cli import main; main()", "make-tiny-model",
+                        str(model), *args], check=True, capture_output=True)
+    return model
+
+
+@click.command("demo")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("out/demo"), show_default=True,
+              help="Where the model, engine log, report PNG and JSON go.")
+@click.option("--window", "window_s", type=click.FloatRange(min=3), default=12.0, show_default=True,
+              help="Seconds of metrics per tuning round.")
+@click.option("--load-scale", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
+              help="Multiply each phase's request rate (a slower machine may want less).")
+@click.option("--rounds", type=click.IntRange(min=2), default=3, show_default=True,
+              help="Most tuning rounds per phase.")
+def demo(out: Path, window_s: float, load_scale: float, rounds: int) -> None:
+    """Watch the tuner fix a mis-tuned engine: the real engine on a tiny model on CPU, a load from a
+    trace, a live view of KV usage, queue and waiting cause, then a before/after table and a PNG."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from .report import write_report
+    from .session import Demo
+    from .view import render, summary_table
+
+    console = Console() if Console().is_terminal else Console(width=150)
+    out.mkdir(parents=True, exist_ok=True)
+    console.print(f"[bold]kvtune demo[/bold]: building a tiny model in {out / 'model'} ...")
+    model = ensure_model(out)
+    seen = [0]
+
+    def progress_lines() -> None:  # no terminal: one line per decision
+        for e in d.state.events[seen[0]:]:
+            console.print(f"{e.t:6.1f}s  {e.phase:<14} {e.kind:<9} {e.text}")
+        seen[0] = len(d.state.events)
+
+    d = Demo(out, model, window_s=window_s, load_scale=load_scale, rounds=rounds)
+    try:
+        if console.is_terminal:
+            with Live(render(d), console=console, refresh_per_second=2) as live:
+                d.on_update = lambda: live.update(render(d))
+                d.run()
+        else:
+            d.on_update = progress_lines
+            d.run()
+    except (RuntimeError, OSError) as e:
+        raise click.ClickException(f"demo failed: {e}") from None
+    progress_lines() if not console.is_terminal else None
+    console.print(summary_table(d))
+    png = write_report(d, out / "report.png")
+    (out / "demo.json").write_text(json.dumps({
+        "events": [asdict(e) for e in d.state.events], "windows": [asdict(w) for w in d.state.windows],
+    }, indent=2))
+    console.print(f"report: {png}   figures: {out / 'demo.json'}   engine log: {out / 'engine.log'}")

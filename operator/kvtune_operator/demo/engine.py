@@ -1,0 +1,71 @@
+"""The engine as the demo runs it: a `kvtune serve` child process on a free loopback port."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flag_args(flags: dict[str, Any]) -> list[str]:
+    """EngineConfig-style fields -> vLLM-style flags."""
+    out = []
+    for k, v in flags.items():
+        name = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            out.append(name if v else "--no-" + name[2:])
+        elif v is not None:
+            out += [name, str(v)]
+    return out
+
+
+class EngineProcess:
+    def __init__(self, model_dir: Path, flags: dict[str, Any], *, device_memory_gib: float, log_path: Path):
+        self.model_dir, self.flags, self.device_memory_gib, self.log_path = model_dir, dict(flags), device_memory_gib, log_path
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> None:
+        argv = [sys.executable, "-c", "from kvtune_operator.cli import main; main()", "serve", "--model", str(self.model_dir),
+                "--device", "cpu", "--device-memory", str(self.device_memory_gib), "--host", "127.0.0.1",
+                "--port", str(self.port), "--log-level", "warning", *flag_args(self.flags)]
+        self.log = open(self.log_path, "ab")
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the engine exited with code {self.proc.returncode}; see {self.log_path}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the engine did not become healthy in {timeout_s:.0f}s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if getattr(self, "log", None):
+            self.log.close()

@@ -1,0 +1,95 @@
+"""Replays a request trace against an engine's OpenAI API, on its own thread and event loop.
+
+Prompts are token-id lists with `ignore_eos` and `max_tokens`, so each request has exactly the shape
+the trace gives. A request that finds the engine down (a restart) retries until it is back: the load
+goes on across restarts, as clients of a Service would.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import httpx
+
+from kvtune_engine.sim.trace import TraceRequest
+
+
+@dataclass
+class LoadStats:
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    retried: int = 0
+    ttft: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+class LoadGenerator:
+    def __init__(self, url: Callable[[], str], trace: list[TraceRequest], *, vocab: int, model: str,
+                 seed: int = 0, max_in_flight: int = 256):
+        self.url, self.trace, self.vocab, self.model = url, trace, vocab, model
+        self.rng = random.Random(seed)
+        self.stats = LoadStats()
+        self.max_in_flight = max_in_flight
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), name="demo-load", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(30)
+
+    def _prompt(self, n: int) -> list[int]:
+        return [self.rng.randrange(16, self.vocab) for _ in range(n)]
+
+    async def _one(self, client: httpx.AsyncClient, req: TraceRequest, sem: asyncio.Semaphore) -> None:
+        body = {"model": self.model, "prompt": self._prompt(req.prompt_tokens), "max_tokens": req.output_tokens,
+                "ignore_eos": True, "temperature": 0.0}
+        async with sem:
+            self.stats.sent += 1
+            while not self._stop.is_set():
+                try:
+                    r = await client.post(f"{self.url()}/v1/completions", json=body)
+                except httpx.TransportError:  # engine restarting: retry, as a Service client would
+                    self.stats.retried += 1
+                    await asyncio.sleep(0.3)
+                    continue
+                if r.status_code == 200:
+                    self.stats.ok += 1
+                elif r.status_code == 503:
+                    self.stats.retried += 1
+                    await asyncio.sleep(float(r.headers.get("retry-after", "1")))
+                    continue
+                else:
+                    self.stats.failed += 1
+                    self.stats.errors.append(f"{r.status_code}: {r.text[:200]}")
+                return
+
+    async def _run(self) -> None:
+        sem = asyncio.Semaphore(self.max_in_flight)
+        limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=32)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=2.0), limits=limits) as client:
+            tasks: set[asyncio.Task] = set()
+            t0, offset, span = time.monotonic(), 0.0, (self.trace[-1].arrival_s + 0.5)
+            while not self._stop.is_set():
+                for req in self.trace:  # the trace loops for as long as the demo runs
+                    delay = t0 + offset + req.arrival_s - time.monotonic()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if self._stop.is_set():
+                        break
+                    task = asyncio.create_task(self._one(client, req, sem))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                offset += span
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,224 @@
+"""`kvtune demo`: the tuner fixing a mis-tuned engine, live, on this machine.
+
+Two phases on the real engine (a tiny random Llama on CPU, standing in for a device of
+`DEVICE_MEMORY_GIB`): first the sequence cap binds (max_num_seqs 2 while the KV cache is nearly
+empty), then the KV cache is too small (a low gpu_memory_utilization: preemptions under load). Each
+phase observes a window, runs one round of the same loop the operator runs (diagnose -> predict
+candidates with the simulator on the engine's own trace and step costs -> choose), applies the
+decision (a live knob by the admin API, a restart knob by restarting the engine), and verifies it
+over the next window, rolling back what did not help.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import httpx
+
+from kvtune_engine.config import EngineConfig
+from kvtune_engine.sim.scenarios import mix
+
+from ..tuner.candidates import Bounds, Range
+from ..tuner.decide import Objectives, knob_changes, window_figures
+from ..tuner.loop import Round, Tuner, TunerSettings
+from ..tuner.observation import Observation
+from .engine import EngineProcess
+from .load import LoadGenerator
+from .monitor import Monitor
+
+DEVICE_MEMORY_GIB = 0.25
+MODEL_SHAPE = dict(arch="llama", layers=4, hidden=256, heads=4, kv_heads=2, vocab=4096, intermediate=768)
+
+
+@dataclass
+class Phase:
+    name: str
+    symptom: str
+    flags: dict[str, Any]         # the mis-tuned start (EngineConfig fields)
+    load: dict[str, Any]          # the workload (kvtune_engine.sim.scenarios.mix arguments)
+
+
+PHASES = [
+    Phase("Sequence cap", "max_num_seqs 2 while the KV cache is almost empty",
+          {"max_num_seqs": 2, "gpu_memory_utilization": 0.9, "max_model_len": 1024,
+           "max_num_batched_tokens": 1024, "swap_space": 0.0},
+          dict(rate=15.0, prompt_mean=64, output_mean=48)),
+    Phase("Low KV memory", "gpu_memory_utilization 0.09 leaves ~50 KV blocks: preemptions under load",
+          {"max_num_seqs": 32, "gpu_memory_utilization": 0.09, "max_model_len": 1024,
+           "max_num_batched_tokens": 1024, "swap_space": 0.0},
+          dict(rate=6.0, prompt_mean=256, output_mean=64)),
+]
+
+
+@dataclass
+class Event:
+    t: float
+    phase: str
+    kind: str                     # Apply | Keep | RollBack | Note
+    text: str
+    restart: bool = False
+
+
+@dataclass
+class WindowFigures:
+    phase: str
+    label: str                    # before | after
+    config: dict[str, Any]
+    figures: dict[str, Any]
+
+
+@dataclass
+class DemoState:
+    """What the live view shows and the report draws."""
+    phase: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+    num_blocks: int = 0
+    diagnosis: str = ""
+    cause: str = ""
+    events: list[Event] = field(default_factory=list)
+    windows: list[WindowFigures] = field(default_factory=list)
+    status: str = ""
+
+
+def settings() -> TunerSettings:
+    bounds = Bounds(block_size=(16,), gpu_memory_utilization=Range(0.05, 0.9), swap_space=Range(0.0, 0.0),
+                    max_num_seqs=Range(1, 64), max_num_batched_tokens=Range(256, 2048),
+                    enable_chunked_prefill=(True,), enable_prefix_caching=(True,))
+    return TunerSettings(bounds=bounds, objectives=Objectives(slo_ttft_s=1.0, slo_tpot_s=0.2, cooldown_s=0.0))
+
+
+class Demo:
+    def __init__(self, out: Path, model_dir: Path, *, window_s: float, load_scale: float, rounds: int,
+                 on_update: Callable[[], None] = lambda: None):
+        self.out, self.model_dir, self.window_s, self.load_scale, self.rounds = out, model_dir, window_s, load_scale, rounds
+        self.on_update = on_update
+        self.t0 = time.monotonic()
+        self.state = DemoState()
+        self.engine: EngineProcess | None = None
+        self.monitor = Monitor(lambda: self.engine.url if self.engine else "http://127.0.0.1:9", self.t0)
+        self.load: LoadGenerator | None = None
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    # ---------------------------------------------------------------- engine
+    def start_engine(self, cfg: EngineConfig) -> None:
+        self.state.status = "starting the engine"
+        self.on_update()
+        flags = {k: v for k, v in cfg.model_dump().items() if v is not None}
+        eng = EngineProcess(self.model_dir, flags, device_memory_gib=DEVICE_MEMORY_GIB,
+                            log_path=self.out / "engine.log")
+        eng.start()
+        old, self.engine = self.engine, eng
+        if old is not None:
+            old.stop()
+        self.monitor.reset_baseline()
+        st = httpx.get(f"{eng.url}/kvtune/v1/state", timeout=5).json()
+        self.state.config, self.state.num_blocks = st["config"], st["blocks"]["total"]
+
+    def apply(self, current: EngineConfig, new: EngineConfig) -> None:
+        changes = knob_changes(current, new)
+        if current.restart_changes(new):
+            self.start_engine(new)  # restart knobs: a new engine process (a rollout in a cluster)
+        else:
+            r = httpx.patch(f"{self.engine.url}/kvtune/v1/config", json=changes, timeout=10)
+            r.raise_for_status()
+            self.state.config = r.json()["config"]
+
+    # ---------------------------------------------------------------- observing
+    def observe(self, since: float) -> tuple[Observation, list[dict]]:
+        url = self.engine.url
+        with httpx.Client(timeout=10) as http:
+            state = http.get(f"{url}/kvtune/v1/state").json()
+            trace = http.get(f"{url}/kvtune/v1/trace",
+                             params={"since_s": max(0.0, state["uptime_s"] - self.window_s)}).json()["requests"]
+            steps = http.get(f"{url}/kvtune/v1/steps", params={"limit": 4000}).json()["steps"]
+        s = settings().objectives
+        obs = Observation.from_metrics(self.monitor.window(since), state=state, trace=trace,
+                                       window_s=self.now() - since, slo_ttft_s=s.slo_ttft_s, slo_tpot_s=s.slo_tpot_s)
+        return obs.with_engine_steps(steps), trace
+
+    def wait_window(self) -> float:
+        start = self.now()
+        while self.now() - start < self.window_s:
+            self.state.status = f"observing a {self.window_s:.0f}s window ({self.now() - start:.0f}s)"
+            self.on_update()
+            time.sleep(0.5)
+        return start
+
+    def figures(self, obs: Observation) -> dict[str, Any]:
+        cause, share = obs.dominant_cause()
+        return {"goodput_rps": obs.goodput_requests_per_s, "tokens_per_s": obs.output_tokens_per_s,
+                "queue_p99_s": obs.queue_time_p99_s, "preemptions": obs.preemptions,
+                "kv_usage": obs.kv_usage_mean, "waiting": obs.waiting_mean,
+                "cause": f"{cause} ({share:.0%})" if cause and share >= 0.005 else "none"}
+
+    # ---------------------------------------------------------------- the loop
+    def run_phase(self, phase: Phase) -> None:
+        self.state.phase = phase.name
+        cfg = EngineConfig.build(**phase.flags)
+        if self.load is not None:
+            self.load.stop()
+        self.start_engine(cfg)
+        args = {**phase.load, "rate": phase.load["rate"] * self.load_scale}
+        trace = mix(requests=400, prompt_sigma=0.5, output_sigma=0.5, max_tokens=512, seed=7, **args)
+        self.load = LoadGenerator(lambda: self.engine.url, trace, vocab=MODEL_SHAPE["vocab"], model=self.model_dir.name)
+        self.load.start()
+        self.event(phase.name, "Note", f"start: {phase.symptom}")
+        tuner = Tuner(settings())
+        first = True
+        for _ in range(self.rounds):
+            since = self.wait_window()
+            obs, trace = self.observe(since)
+            if first:
+                self.state.windows.append(WindowFigures(phase.name, "before", cfg.as_flags(), self.figures(obs)))
+            self.state.status = "diagnosing and predicting candidates in the simulator"
+            self.on_update()
+            rnd: Round = tuner.round(obs, trace, self.now())
+            self.state.diagnosis, self.state.cause = rnd.diagnosis.message, rnd.diagnosis.cause
+            if rnd.verdict is not None:
+                v = rnd.verdict
+                self.event(phase.name, "Keep" if v.keep else "RollBack", v.reason)
+                if not v.keep:
+                    self.apply(cfg, rnd.config)
+                    cfg = rnd.config
+            d = rnd.decision
+            if d is not None and d.action == "change":
+                pred = window_figures(d.predicted or {})
+                self.event(phase.name, "Apply",
+                           f"{rnd.diagnosis.cause}: {_flags(d.changes)} "
+                           f"(predicted goodput {pred.get('goodput_requests_per_s', 0):.1f} req/s)", restart=d.restart)
+                self.apply(cfg, d.config)
+                cfg = d.config
+            else:
+                self.event(phase.name, "Note", f"{rnd.diagnosis.cause}: no change ({rnd.note or (d.reason if d else '')})")
+            if (d is None or d.action != "change") and (rnd.verdict is not None or not first):
+                self.state.windows.append(WindowFigures(phase.name, "after", cfg.as_flags(), self.figures(obs)))
+                break
+            first = False
+        else:
+            since = self.wait_window()
+            obs, _ = self.observe(since)
+            self.state.windows.append(WindowFigures(phase.name, "after", cfg.as_flags(), self.figures(obs)))
+
+    def event(self, phase: str, kind: str, text: str, restart: bool = False) -> None:
+        self.state.events.append(Event(self.now(), phase, kind, text, restart))
+        self.on_update()
+
+    def run(self) -> None:
+        self.monitor.start()
+        try:
+            for phase in PHASES:
+                self.run_phase(phase)
+        finally:
+            if self.load is not None:
+                self.load.stop()
+            self.monitor.stop()
+            if self.engine:
+                self.engine.stop()
+
+
+def _flags(changes: dict[str, Any]) -> str:
+    return ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in changes.items())
