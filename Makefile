@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 
-.PHONY: setup demo test test-unit controlplane bench
+.PHONY: setup demo test test-unit test-gpu controlplane
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,8 +20,14 @@ controlplane:
 demo: setup
 	$(BIN)/kvtune demo
 
+# Without a GPU the CUDA-only tests are deselected (reported as such), not skipped.
+NO_GPU := $(if $(shell nvidia-smi -L 2>/dev/null),,-m "not cuda")
+
 test: setup controlplane
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest tests $(NO_GPU)
 
 test-unit: setup
-	$(BIN)/python -m pytest tests -m "not integration"
+	$(BIN)/python -m pytest tests -m "not integration and not cuda"
+
+test-gpu: setup
+	$(BIN)/python -m pytest tests -m cuda

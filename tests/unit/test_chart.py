@@ -82,9 +82,9 @@ def _template(*args: str) -> list[dict]:
     return [d for d in yaml.safe_load_all(out) if d]
 
 
-@pytest.mark.skipif(_helm() is None, reason="helm is not installed (tests/controlplane/setup.sh installs it)")
 def test_helm_lint_and_template():
     helm = _helm()
+    assert helm is not None, "helm is not installed: bash tests/controlplane/setup.sh (or make controlplane)"
     for extra in ([], ["--set", "grafanaDashboard.enabled=true", "--set", "watchNamespaces={a,b}"]):
         res = subprocess.run([helm, "lint", "--strict", str(CHART), *extra], capture_output=True, text=True, timeout=60,
                              env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache",

@@ -1,4 +1,4 @@
-"""CUDA only (skipped without a GPU): the compiled Triton decode kernel and the CUDA runner.
+"""CUDA only (marker `cuda`: deselected without a GPU): the compiled Triton decode kernel and the CUDA runner.
 
 The Triton kernel against the PyTorch reference on the GPU for block sizes 8..128 and GQA; a CUDA
 runner (Triton decode, profiled memory, pinned swap pool) against the CPU runner on the same tiny
@@ -15,7 +15,8 @@ from kvtune_engine.config import EngineConfig
 from kvtune_engine.core.request import Request, SamplingParams
 from kvtune_engine.runner import ModelRunner
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# Deselected by `make test` on machines without a GPU (-m "not cuda"); `make test-gpu` runs them.
+pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("bs", [8, 16, 32, 64, 128])

@@ -271,6 +271,7 @@ def _span(v: Any) -> tuple[float, float, list[float] | None]:
 class Safety:
     margin_frac: float = 0.10              # of the measured non-KV memory
     margin_min_bytes: float = 1.0 * GiB    # CUDA context, allocator slack, other processes
+    margin_min_device_frac: float = 0.02   # ... but never more than this share of a (small) device
     swap_headroom: float = 1.5             # swap sized to this many times the observed swap volume
 
 
@@ -313,7 +314,8 @@ class MemoryPicture:
 
     def max_utilization(self, safety: Safety = Safety(), tokens_budget: int | None = None) -> float:
         """The highest gpu_memory_utilization the measured memory allows, with the safety margin."""
-        margin = max(safety.margin_min_bytes, safety.margin_frac * self.non_kv())
+        floor = min(safety.margin_min_bytes, safety.margin_min_device_frac * self.device_total)
+        margin = max(floor, safety.margin_frac * self.non_kv())
         planned = self.utilization * self.device_total
         measured = self.non_kv() + self.kv_cache
         overshoot = max(0.0, measured - planned)
