@@ -79,6 +79,14 @@ def _prod(shape) -> int:
     return out
 
 
+def best_of(n: int, fn, *args, **kw) -> dict:
+    """Run n times, keep the fastest: on a shared machine the noise only ever slows a run down."""
+    runs = [fn(*args, **kw) for _ in range(max(1, n))]
+    best = max(runs, key=lambda r: r["output_tokens_per_s"])
+    best["runs_output_tokens_per_s"] = [round(r["output_tokens_per_s"], 1) for r in runs]
+    return best
+
+
 def run_kvtune(model_dir: Path, reqs, *, threads: int, budget: int, max_seqs: int) -> dict:
     import torch
 
@@ -196,6 +204,7 @@ def main() -> int:
     ap.add_argument("--static-batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse (or create) the model here")
+    ap.add_argument("--repeat", type=int, default=1, help="run each contender N times, keep the best")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--any-transformers", action="store_true")
     ap.add_argument("--json", action="store_true", help="also print one JSON object with every figure")
@@ -232,7 +241,7 @@ def main() -> int:
 
     res: dict = {"transformers": transformers.__version__, "threads": a.threads, "params": params,
                  "matmul_peak_flops": peak, "roofline_output_tokens_per_s": roof, "requests": a.requests}
-    k = run_kvtune(model_dir, reqs, threads=a.threads, budget=a.budget, max_seqs=a.max_num_seqs)
+    k = best_of(a.repeat, run_kvtune, model_dir, reqs, threads=a.threads, budget=a.budget, max_seqs=a.max_num_seqs)
     res["kvtune"] = k
     all_tokens = k["output_tokens"] + k["prompt_tokens"]
     k["roofline_fraction_output"] = k["output_tokens_per_s"] / roof
@@ -247,16 +256,17 @@ def main() -> int:
     if not a.skip_hf:
         sub = reqs[:n_hf]
         note = "" if n_hf == a.requests else f" (first {n_hf} requests)"
-        h = run_hf_cb(model_dir, sub, threads=a.threads, budget=a.budget)
+        h = best_of(a.repeat, run_hf_cb, model_dir, sub, threads=a.threads, budget=a.budget)
         res["hf_continuous_batching"] = {**h, "requests": n_hf}
         print(f"hf-cb      {h['output_tokens_per_s']:8.1f} output tokens/s{note}", flush=True)
-        s = run_hf_static(model_dir, sub, threads=a.threads, batch=a.static_batch)
+        s = best_of(a.repeat, run_hf_static, model_dir, sub, threads=a.threads, batch=a.static_batch)
         res["hf_static"] = {**s, "requests": n_hf}
         print(f"hf-static  {s['output_tokens_per_s']:8.1f} output tokens/s{note}, batches of {a.static_batch}",
               flush=True)
         ks = k
         if n_hf != a.requests:  # the same requests for every contender: kvtune on the subset too
-            ks = run_kvtune(model_dir, sub, threads=a.threads, budget=a.budget, max_seqs=a.max_num_seqs)
+            ks = best_of(a.repeat, run_kvtune, model_dir, sub, threads=a.threads, budget=a.budget,
+                         max_seqs=a.max_num_seqs)
             res["kvtune_subset"] = {**ks, "requests": n_hf}
             print(f"kvtune     {ks['output_tokens_per_s']:8.1f} output tokens/s{note}", flush=True)
         res["ratio_vs_generate_batch"] = ks["output_tokens_per_s"] / h["output_tokens_per_s"]
