@@ -59,6 +59,7 @@ class Event:
     kind: str                     # Apply | Keep | RollBack | Note
     text: str
     restart: bool = False
+    changes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -189,7 +190,8 @@ class Demo:
                 pred = window_figures(d.predicted or {})
                 self.event(phase.name, "Apply",
                            f"{rnd.diagnosis.cause}: {_flags(d.changes)} "
-                           f"(predicted goodput {pred.get('goodput_requests_per_s', 0):.1f} req/s)", restart=d.restart)
+                           f"(predicted goodput {pred.get('goodput_requests_per_s', 0):.1f} req/s)", restart=d.restart,
+                           changes=d.changes)
                 self.apply(cfg, d.config)
                 cfg = d.config
             else:
@@ -203,8 +205,9 @@ class Demo:
             obs, _ = self.observe(since)
             self.state.windows.append(WindowFigures(phase.name, "after", cfg.as_flags(), self.figures(obs)))
 
-    def event(self, phase: str, kind: str, text: str, restart: bool = False) -> None:
-        self.state.events.append(Event(self.now(), phase, kind, text, restart))
+    def event(self, phase: str, kind: str, text: str, restart: bool = False,
+              changes: dict[str, Any] | None = None) -> None:
+        self.state.events.append(Event(self.now(), phase, kind, text, restart, dict(changes or {})))
         self.on_update()
 
     def run(self) -> None:

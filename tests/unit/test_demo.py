@@ -1,0 +1,31 @@
+"""`kvtune demo` end to end (short windows): the real engine on CPU, mis-tuned twice; the tuner must
+fix the sequence cap with a live change and the low KV memory with a restart change, and the
+figures after must show it. Takes about a minute."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_fixes_the_sequence_cap_live_then_low_memory_by_a_restart(tmp_path):
+    out = tmp_path / "demo"
+    res = subprocess.run([sys.executable, "-c", "from kvtune_operator.cli import main; main()", "demo",
+                          "--out", str(out), "--window", "8"], capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "Before and after" in res.stdout and (out / "report.png").stat().st_size > 20_000
+    data = json.loads((out / "demo.json").read_text())
+    applied = {e["phase"]: e for e in data["events"] if e["kind"] == "Apply"}
+    seq, mem = applied["Sequence cap"], applied["Low KV memory"]
+    assert seq["restart"] is False and seq["changes"]["max_num_seqs"] > 2
+    assert mem["restart"] is True and mem["changes"]["gpu_memory_utilization"] > 0.09
+    w = {(x["phase"], x["label"]): x["figures"] for x in data["windows"]}
+    before, after = w["Sequence cap", "before"], w["Sequence cap", "after"]
+    assert after["tokens_per_s"] > 1.3 * before["tokens_per_s"] and after["waiting"] < before["waiting"]
+    before, after = w["Low KV memory", "before"], w["Low KV memory", "after"]
+    assert before["preemptions"] > 0 and after["preemptions"] < before["preemptions"]
+    assert not [e for e in data["events"] if e["kind"] == "RollBack"]
