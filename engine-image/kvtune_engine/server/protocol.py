@@ -99,7 +99,7 @@ def validate(model: type[BaseModel], body: dict[str, Any]):
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"] if not isinstance(p, int) or True)
+        loc = ".".join(str(p) for p in err["loc"])
         field = str(err["loc"][0]) if err["loc"] else None
         raise HTTPError(400, f"{loc}: {err['msg']} (got {err.get('input')!r})", param=field,
                         code="invalid_parameter") from None
