@@ -459,8 +459,8 @@ class Diagnosis(CRDModel):
     """Why requests wait, in words and figures (written by the tuner)."""
 
     cause: str = Field(..., max_length=64, pattern=r"^[A-Z][A-Za-z0-9]*$",
-                       description="Named cause, e.g. Healthy, SequenceCap, TokenBudget, LongPromptHeadOfLine, "
-                                   "KVCacheTooSmall, PrefixCachePinning, BlockWaste, SwapFull, NoMetrics.")
+                       description="Named cause: Healthy, SequenceCap, TokenBudget, LongPromptHeadOfLine, "
+                                   "SharedPrefixPinning, BlockWaste, LowKVMemory, SwapFull or ComputeBound.")
     message: str = Field("", max_length=4096, description="One sentence a user understands.")
     figures: Figures | None = Field(None, description="The figures behind the cause.")
     observed_at: Timestamp | None = Field(None, description="End of the observation window.")
