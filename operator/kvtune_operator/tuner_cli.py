@@ -139,7 +139,7 @@ def _camel_flags(changes: dict) -> str:
 
 
 def _tune_options(f):
-    from kvtune_engine.sim.cli import engine_options
+    from kvtune_engine.flags import engine_options
 
     f = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")(f)
     f = click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
@@ -218,7 +218,7 @@ def tune_cmd(trace_file: str, profile_name: str, slo_ttft: float | None, slo_tpo
              bounds: tuple[str, ...], rounds: int, max_restarts: int, as_json: bool, **flags: Any) -> None:
     """Recommend engine flags for a request trace: diagnose, predict candidates in the simulator,
     choose, and repeat as the operator would (same loop), within --bounds."""
-    from kvtune_engine.sim.cli import engine_config
+    from kvtune_engine.flags import engine_config
     from kvtune_engine.sim.profile import ProfileError, load_profile
     from kvtune_engine.sim.trace import TraceError, read_trace
 

@@ -9,36 +9,9 @@ from typing import Any
 import click
 
 from ..config import ConfigError, EngineConfig
+from ..flags import engine_options
 
 DEFAULT_PORT = 8000
-
-
-def _engine_options(f):
-    opts = [
-        click.option("--block-size", type=int, default=None, help="Token slots per KV block (8..128)."),
-        click.option("--gpu-memory-utilization", type=float, default=None,
-                     help="Fraction of device memory the engine may use."),
-        click.option("--swap-space", type=float, default=None, help="CPU swap pool, GiB."),
-        click.option("--kv-cache-memory", type=float, default=None,
-                     help="KV cache size in GiB (bypasses memory profiling; the way to size it on CPU)."),
-        click.option("--max-num-seqs", type=int, default=None, help="Most sequences running in one step."),
-        click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget of one step."),
-        click.option("--max-model-len", type=int, default=None, help="Longest prompt + output, tokens."),
-        click.option("--watermark", type=float, default=None,
-                     help="Fraction of blocks kept free when admitting requests."),
-        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
-                     help="Reuse KV blocks of shared prompt prefixes."),
-        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
-                     help="Split long prompts across steps."),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
-
-
-ENGINE_FLAGS = ("block_size", "gpu_memory_utilization", "swap_space", "kv_cache_memory", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "watermark", "enable_prefix_caching",
-                "enable_chunked_prefill")
 
 
 def _port(port: int | None) -> int:
@@ -58,7 +31,7 @@ def _port(port: int | None) -> int:
 
 @click.command("serve")
 @click.option("--model", "model_dir", required=True, type=click.Path(), help="Local model directory.")
-@_engine_options
+@engine_options
 @click.option("--served-model-name", default=None, help="Model name in the API (default: the directory name).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (cuda:N).")
 @click.option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16 or float16.")

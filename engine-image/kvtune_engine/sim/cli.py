@@ -12,59 +12,7 @@ import sys
 import click
 
 from ..config import ConfigError, EngineConfig
-
-_FLAG_FIELDS = ("block_size", "gpu_memory_utilization", "swap_space", "kv_cache_memory", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "watermark", "enable_prefix_caching",
-                "enable_chunked_prefill")
-
-
-def _flag_names(msg: str) -> str:
-    """Speak in the user's flags: `block_size` -> `--block-size` in error messages."""
-    msg = re.sub(r"^config: ", "", msg).replace("; config: ", "; ")
-    for f in _FLAG_FIELDS:
-        msg = re.sub(rf"\b{f}\b", "--" + f.replace("_", "-"), msg)
-    return msg
-
-
-def engine_config(values: dict) -> EngineConfig:
-    """EngineConfig from the flags given (None = not given: the engine default)."""
-    given = {k: v for k, v in values.items() if v is not None}
-    try:
-        return EngineConfig.build(**given)
-    except ConfigError as e:
-        raise click.UsageError(_flag_names(str(e))) from None
-
-
-def engine_options(f):
-    """The engine flags, with vLLM's names; defaults are EngineConfig's."""
-    d = EngineConfig.model_fields
-    opts = [
-        click.option("--block-size", type=int, default=None,
-                     help=f"Tokens per KV block: 8, 16, 32, 64 or 128 [default: {d['block_size'].default}]"),
-        click.option("--gpu-memory-utilization", type=float, default=None,
-                     help=f"Fraction of device memory for the engine, in (0, 1] "
-                          f"[default: {d['gpu_memory_utilization'].default}]"),
-        click.option("--swap-space", type=float, default=None,
-                     help=f"CPU swap pool, GiB [default: {d['swap_space'].default}]"),
-        click.option("--kv-cache-memory", type=float, default=None,
-                     help="KV cache size in GiB, instead of deriving it from --gpu-memory-utilization"),
-        click.option("--max-num-seqs", type=int, default=None,
-                     help=f"Most sequences running at once [default: {d['max_num_seqs'].default}]"),
-        click.option("--max-num-batched-tokens", type=int, default=None,
-                     help=f"Token budget of one step [default: {d['max_num_batched_tokens'].default}]"),
-        click.option("--max-model-len", type=int, default=None,
-                     help=f"Longest prompt + output [default: {d['max_model_len'].default}]"),
-        click.option("--watermark", type=float, default=None,
-                     help=f"Fraction of blocks kept free at admission [default: {d['watermark'].default}]"),
-        click.option("--enable-prefix-caching/--no-enable-prefix-caching", default=None,
-                     help="Reuse KV blocks of shared prompt prefixes [default: on]"),
-        click.option("--enable-chunked-prefill/--no-enable-chunked-prefill", default=None,
-                     help="Split long prompts across steps [default: on]"),
-    ]
-    for o in reversed(opts):
-        f = o(f)
-    return f
-
+from ..flags import engine_config, engine_options, flag_names
 
 def _fmt_s(v: float | None) -> str:
     if v is None:
@@ -157,7 +105,7 @@ def sim(trace_file: str, profile_name: str, slo_ttft: float | None, slo_tpot: fl
     try:
         summary = simulate(trace, config, profile, SLO(slo_ttft, slo_tpot))
     except ConfigError as e:
-        raise click.UsageError(_flag_names(str(e))) from None
+        raise click.UsageError(flag_names(str(e))) from None
     if as_json:
         click.echo(json.dumps(summary, indent=None, sort_keys=False))
     else:
