@@ -219,27 +219,16 @@ def tune_cmd(trace_file: str, profile_name: str, slo_ttft: float | None, slo_tpo
     """Recommend engine flags for a request trace: diagnose, predict candidates in the simulator,
     choose, and repeat as the operator would (same loop), within --bounds."""
     from kvtune_engine.flags import engine_config
-    from kvtune_engine.sim.profile import ProfileError, load_profile
-    from kvtune_engine.sim.trace import TraceError, read_trace
+    from kvtune_engine.sim.cli import sim_inputs
 
     from .tuner.candidates import Bounds
 
-    for name, v in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot)):
-        if v is not None and not v > 0:
-            raise click.UsageError(f"{name} must be > 0 seconds (got {v})")
     start = engine_config(flags)
     try:
         b = Bounds.parse(list(bounds)) if bounds else Bounds()
     except ConfigError as e:
         raise click.UsageError(f"--bounds: {str(e).removeprefix('bounds: ')}") from None
-    try:
-        profile = load_profile(profile_name)
-    except ProfileError as e:
-        raise click.UsageError(f"--profile: {e}") from None
-    try:
-        trace = read_trace(sys.stdin if trace_file == "-" else trace_file)
-    except TraceError as e:
-        raise click.ClickException(str(e)) from None
+    profile, trace = sim_inputs(trace_file, profile_name, slo_ttft, slo_tpot)
     try:
         profile.kv_cache_size(start)
     except ConfigError as e:

@@ -73,6 +73,25 @@ def render(s: dict) -> str:
     return "\n".join(lines)
 
 
+def sim_inputs(trace_file: str, profile_name: str, slo_ttft: float | None, slo_tpot: float | None):
+    """Check the SLO flags, load the profile and the trace: (profile, trace), or one clear error."""
+    from .profile import ProfileError, load_profile
+    from .trace import TraceError, read_trace
+
+    for name, v in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot)):
+        if v is not None and not v > 0:
+            raise click.UsageError(f"{name} must be > 0 seconds (got {v})")
+    try:
+        profile = load_profile(profile_name)
+    except ProfileError as e:
+        raise click.UsageError(f"--profile: {e}") from None
+    try:
+        trace = read_trace(sys.stdin if trace_file == "-" else trace_file)
+    except TraceError as e:
+        raise click.ClickException(str(e)) from None
+    return profile, trace
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--trace", "trace_file", required=True, metavar="FILE",
               help="JSONL request trace ('-' for stdin); see `kvtune trace gen`.")
@@ -86,22 +105,10 @@ def sim(trace_file: str, profile_name: str, slo_ttft: float | None, slo_tpot: fl
         as_json: bool, **flags) -> None:
     """Replay a request trace through the engine's scheduler in virtual time, and report
     throughput, latency, preemptions and why requests waited."""
-    from .profile import ProfileError, load_profile
     from .simulator import SLO, simulate
-    from .trace import TraceError, read_trace
 
-    for name, v in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot)):
-        if v is not None and not v > 0:
-            raise click.UsageError(f"{name} must be > 0 seconds (got {v})")
     config = engine_config(flags)
-    try:
-        profile = load_profile(profile_name)
-    except ProfileError as e:
-        raise click.UsageError(f"--profile: {e}") from None
-    try:
-        trace = read_trace(sys.stdin if trace_file == "-" else trace_file)
-    except TraceError as e:
-        raise click.ClickException(str(e)) from None
+    profile, trace = sim_inputs(trace_file, profile_name, slo_ttft, slo_tpot)
     try:
         summary = simulate(trace, config, profile, SLO(slo_ttft, slo_tpot))
     except ConfigError as e:
