@@ -4,6 +4,12 @@
 keys are documented in README.md ("kvtune sim output"). Deterministic: the same inputs give the
 same summary.
 
+Arrival: a request's latencies (queue time, TTFT, e2e) start at its trace arrival, what its client
+sees. `simulate(..., stamp_at_step=True)` starts them instead when the engine takes the request in
+-- the end of the step during which it came (or its arrival when the engine was idle) -- which is
+when our engine's loop stamps `arrival_s` today (`LLMEngine.add_request` runs between steps), so
+that the figures compare with the engine's own queue-time and TTFT histograms (bench/sim_fidelity.py).
+
 Synthetic token ids: a request of prefix group g gets the group's shared tokens for its first
 `prefix_tokens` positions and tokens unique to the request after that, so the prefix cache sees
 exactly the sharing the trace describes (prompts of one group share the prefix, nothing else).
@@ -71,8 +77,9 @@ class _Tokens:
 class _Acc:
     """Time-weighted integrals of the cache state and per-request latencies."""
 
-    def __init__(self, slo: SLO) -> None:
+    def __init__(self, slo: SLO, per_request: bool = False) -> None:
         self.slo = slo
+        self.rows: list[dict] | None = [] if per_request else None
         self.busy_s = 0.0
         self.usage = self.frag = self.running = self.shared = 0.0
         self.states = dict.fromkeys(("free", "reserved", "used", "cached"), 0.0)
@@ -102,17 +109,24 @@ class _Acc:
                 self.tpot.append(t2)
             if self.slo.met(t1, t2):
                 self.good += 1
+            if self.rows is not None:
+                self.rows.append({"id": req.request_id, "arrival_s": req.arrival_s, "queue_s": self.queue[-1],
+                                  "ttft_s": t1, "e2e_s": self.e2e[-1], "output_tokens": n_out})
 
 
 def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
-             slo: SLO | None = None) -> dict:
-    """Replay `trace` under `config` on `profile`; the summary dict of `kvtune sim --json`."""
+             slo: SLO | None = None, *, per_request: bool = False, stamp_at_step: bool = False) -> dict:
+    """Replay `trace` under `config` on `profile`; the summary dict of `kvtune sim --json`.
+
+    `per_request`: also a `per_request` list (finish order) of each started request's `queue_s`,
+    `ttft_s`, `e2e_s`, `output_tokens` (bench/sim_fidelity.py buckets them as the engine would).
+    `stamp_at_step`: latencies from when the engine takes a request in (see the module docstring)."""
     if not trace:
         raise ValueError("empty trace")
     size = profile.kv_cache_size(config)
     sched = Scheduler(config, size.num_blocks, size.num_swap_blocks)
     runner = SimulatedRunner(profile, size.block_bytes)
-    acc = _Acc(slo or SLO())
+    acc = _Acc(slo or SLO(), per_request)
     order = sorted(range(len(trace)), key=lambda j: trace[j].arrival_s)
     tokens = _Tokens()
     schedule, execute, update = sched.schedule, runner.execute, sched.update
@@ -130,7 +144,8 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
             j = order[i]
             r = trace[j]
             req = Request(tokens.prompt(j, r), SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
-                          arrival_s=r.arrival_s, request_id=f"r{j}", prefix_group=r.prefix_group)
+                          arrival_s=now if stamp_at_step else r.arrival_s, request_id=f"r{j}",
+                          prefix_group=r.prefix_group)
             try:
                 sched.add_request(req)
             except RequestRejected:
@@ -181,7 +196,10 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
     acc.running_max, acc.queued_max = running_max, queued_max
     acc.states.update(free=free_t, reserved=reserved_t, used=usage, cached=cached_t)
     acc.swap_peak = 1.0 - swap_low / size.num_swap_blocks if size.num_swap_blocks else 0.0
-    return _summary(acc, sched, size, config, profile, now - start, n_total, rejected)
+    out = _summary(acc, sched, size, config, profile, now - start, n_total, rejected)
+    if acc.rows is not None:
+        out["per_request"] = acc.rows
+    return out
 
 
 def _summary(acc: _Acc, sched: Scheduler, size, config: EngineConfig, profile: Profile,

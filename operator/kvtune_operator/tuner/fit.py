@@ -155,19 +155,48 @@ def samples_from_windows(rows: Sequence[tuple[float, float, float, float]]) -> l
     return [StepSample(d, t, c, n) for d, t, c, n in rows if n > 0]
 
 
-def samples_from_engine_steps(steps: Iterable[dict], block_bytes: float | None = None) -> list[StepSample]:
-    """The engine's step log (``GET /kvtune/v1/steps``: ``duration_s``, ``batched_tokens``,
-    ``decode_context_tokens``, ``swap_in_blocks``/``swap_out_blocks``, optionally ``prefill_pairs``) as
-    samples. The whole step's wall time is the figure the simulator's cost model stands for (its
-    ``step_overhead_s`` covers scheduling and sampling); ``block_bytes`` turns swapped blocks into bytes."""
-    out = []
+def samples_from_engine_steps(steps: Iterable[dict], block_bytes: float | None = None, *,
+                              gaps: bool = True) -> list[StepSample]:
+    """The engine's step log (``GET /kvtune/v1/steps``: ``t_s``, ``duration_s``, ``batched_tokens``,
+    ``decode_context_tokens``, ``num_decodes``, ``swap_in_blocks``/``swap_out_blocks``, optionally
+    ``prefill_pairs``) as samples; ``block_bytes`` turns swapped blocks into bytes.
+
+    A sample's duration is the step's *wall* time: its own ``duration_s`` (scheduling, the forward,
+    sampling, detokenization) plus the gap before the next step while the engine is busy -- the loop's
+    work between steps (new requests, outputs handed to the server) and the time the server's threads
+    and other processes take the CPU from the loop. On 2 CPU cores that gap is 10-20% of the busy time;
+    the simulator, which steps back to back, must charge it or it predicts too much throughput. A gap
+    after which the engine starts afresh (the next step has no decodes: it may have sat idle waiting for
+    a request) counts as the median busy gap instead. ``gaps=False``: durations alone (the histogram's
+    figure, what ``samples_from_windows`` gets)."""
+    rows = []
     for s in steps:
         try:
-            d = float(s["duration_s"])
+            rows.append((float(s["duration_s"]), s))
+        except (KeyError, TypeError, ValueError):
+            continue
+    extra = [0.0] * len(rows)
+    if gaps and len(rows) > 1:
+        try:
+            ts = [float(s["t_s"]) for _, s in rows]
+        except (KeyError, TypeError, ValueError):
+            ts = None
+        if ts is not None and all(b >= a for a, b in zip(ts, ts[1:])):
+            idle_after = [(rows[i + 1][1].get("num_decodes") == 0) if "num_decodes" in rows[i + 1][1]
+                          else False for i in range(len(rows) - 1)]
+            gap = [max(0.0, ts[i + 1] - ts[i] - rows[i][0]) for i in range(len(rows) - 1)]
+            busy = sorted(g for g, idle in zip(gap, idle_after) if not idle)
+            typical = busy[len(busy) // 2] if busy else 0.0
+            for i, (g, idle) in enumerate(zip(gap, idle_after)):
+                extra[i] = min(g, typical) if idle else g
+            extra[-1] = typical
+    out = []
+    for (d, s), e in zip(rows, extra):
+        try:
             swapped = 0.0
             if block_bytes:
                 swapped = (float(s.get("swap_in_blocks", 0) or 0) + float(s.get("swap_out_blocks", 0) or 0)) * block_bytes
-            out.append(StepSample(d, float(s.get("batched_tokens", 0) or 0),
+            out.append(StepSample(d + e, float(s.get("batched_tokens", 0) or 0),
                                   float(s.get("decode_context_tokens", 0) or 0), 1.0,
                                   float(s.get("prefill_pairs", 0) or 0), swapped))
         except (KeyError, TypeError, ValueError):

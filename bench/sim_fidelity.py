@@ -1,0 +1,322 @@
+"""Simulator fidelity: predicted vs measured, the real engine on CPU against the simulator.
+
+For each case (an engine config and a trace):
+
+* measured: a real ``kvtune serve`` (the demo's tiny random Llama on CPU, standing in for a device
+  of 0.25 GiB as the demo does) replays the trace over HTTP in real time (arrival times honoured;
+  token-id prompts with ``ignore_eos``, so every request has exactly the trace's shape; requests of
+  a prefix group share their first ``prefix_tokens`` tokens). Throughput is the output tokens over
+  the span from the first arrival to the end of the last step (the engine's trace and step log);
+  queue time comes from the engine's ``/metrics`` histogram (median by Prometheus'
+  ``histogram_quantile``, mean exact from ``_sum / _count``);
+* predicted: what the tuner does. The engine's own trace (``/kvtune/v1/trace``), memory figures
+  (``/metrics``, ``/kvtune/v1/state``) and step log (``/kvtune/v1/steps``, polled during the run so
+  no step falls out of its ring) make an ``Observation``; ``predict.fitted`` fits the step costs and
+  builds the profile; ``simulate`` replays the trace under the same config. The simulated queue
+  times are put in the engine's histogram buckets and read back the same way, so both medians are
+  the figure the tuner compares.
+
+Prints predicted, measured and the relative error per case, then the median error of each figure.
+Goal (issue 5 section 6): <= 10% error on throughput and on median queue time. A median queue
+time below 10 ms (an engine that is not queueing) has no meaningful relative error: the table
+shows both values and leaves it out of the median.
+
+Runtime: ~20-40 s per case (engine start, the trace, the drain); about 5 minutes on 2 cores.
+
+    python bench/sim_fidelity.py [--only NAME[,NAME]] [--json out.json] [--keep DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvtune_engine.config import EngineConfig
+from kvtune_engine.metrics import QUEUE_TIME_BUCKETS
+from kvtune_engine.sim.scenarios import mix
+from kvtune_engine.sim.simulator import simulate
+from kvtune_engine.sim.trace import TraceRequest
+from kvtune_operator.demo import ensure_model
+from kvtune_operator.demo.engine import EngineProcess
+from kvtune_operator.demo.load import LoadGenerator
+from kvtune_operator.demo.session import DEVICE_MEMORY_GIB, MODEL_SHAPE
+from kvtune_operator.tuner.observation import MetricFigures, Observation
+from kvtune_operator.tuner.predict import as_trace, fitted
+
+QUEUE_FLOOR_S = 0.010   # below this a median queue time is "not queueing": no relative error
+
+BASE = dict(max_model_len=1024, max_num_batched_tokens=1024, swap_space=0.0, gpu_memory_utilization=0.9)
+
+TRACES: dict[str, dict[str, Any]] = {
+    # short prompts and outputs, a steady stream
+    "short": dict(rate=10.0, prompt_mean=64, output_mean=48),
+    # longer prompts: prefill matters, the KV cache fills
+    "long": dict(rate=3.5, prompt_mean=256, output_mean=64),
+    # 70% of the requests carry one of 3 shared system prompts of 192 tokens
+    "prefix": dict(rate=8.0, prompt_mean=48, output_mean=32, prefix_groups=3,
+                   prefix_tokens=192, prefix_share=0.7),
+}
+
+
+@dataclass
+class Case:
+    name: str
+    flags: dict[str, Any]       # engine flags over BASE (EngineConfig fields)
+    trace: str                  # one of TRACES
+    rate: float | None = None   # requests/s instead of the trace's
+    seconds: float = 18.0       # of arrivals: requests = rate * seconds
+
+
+CASES = [
+    # the sequence cap binds: a long queue
+    Case("seqs2-short", dict(max_num_seqs=2), "short", rate=15.0, seconds=12.0),
+    Case("seqs8-short", dict(max_num_seqs=8), "short", rate=16.0),
+    Case("seqs32-long", dict(max_num_seqs=32), "long"),
+    # ~50 KV blocks: the KV cache binds, preemptions
+    Case("seqs32-lowkv-long", dict(max_num_seqs=32, gpu_memory_utilization=0.09), "long", rate=5.0),
+    Case("seqs8-chunk256-long", dict(max_num_seqs=8, max_num_batched_tokens=256, enable_chunked_prefill=True),
+         "long", rate=5.0),
+    Case("seqs8-nochunk-long", dict(max_num_seqs=8, enable_chunked_prefill=False), "long", rate=5.0),
+    # shared system prompts, prefix caching on
+    Case("seqs4-prefix", dict(max_num_seqs=4, enable_prefix_caching=True), "prefix", rate=10.0),
+]
+
+
+def make_trace(case: Case) -> list[TraceRequest]:
+    spec = dict(TRACES[case.trace])
+    if case.rate is not None:
+        spec["rate"] = case.rate
+    spec["requests"] = max(2, int(round(spec["rate"] * case.seconds)))
+    return mix(prompt_sigma=0.5, output_sigma=0.5, max_tokens=600, seed=11, **spec)
+
+
+def prompts_for(trace: list[TraceRequest], vocab: int, seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of the trace's lengths; a prefix group's requests share its first tokens."""
+    rng = random.Random(seed)
+    groups: dict[str, list[int]] = {}
+    out = []
+    for r in trace:
+        k = r.prefix_tokens if r.prefix_group is not None else 0
+        if k:
+            g = groups.setdefault(r.prefix_group, [rng.randrange(16, vocab) for _ in range(1024)])
+            head = g[:k]
+        else:
+            head = []
+        out.append(head + [rng.randrange(16, vocab) for _ in range(r.prompt_tokens - k)])
+    return out
+
+
+class OnePassLoad(LoadGenerator):
+    """The demo's load generator, replaying the trace once (the demo loops it) with given prompts,
+    and waiting for every answer."""
+
+    def __init__(self, url: str, trace: list[TraceRequest], prompts: list[list[int]], model: str):
+        super().__init__(lambda: url, trace, vocab=MODEL_SHAPE["vocab"], model=model, max_in_flight=1024)
+        self.prompts = dict(zip(map(id, trace), prompts))
+        self.done = threading.Event()
+
+    def _prompt(self, n: int) -> list[int]:  # pragma: no cover - _one is overridden
+        raise AssertionError
+
+    async def _one(self, client: httpx.AsyncClient, req: TraceRequest, sem: asyncio.Semaphore) -> None:
+        body = {"model": self.model, "prompt": self.prompts[id(req)], "max_tokens": req.output_tokens,
+                "ignore_eos": True, "temperature": 0.0}
+        async with sem:
+            self.stats.sent += 1
+            r = await client.post(f"{self.url()}/v1/completions", json=body)
+            if r.status_code == 200:
+                self.stats.ok += 1
+            else:
+                self.stats.failed += 1
+                self.stats.errors.append(f"{r.status_code}: {r.text[:200]}")
+
+    async def _run(self) -> None:
+        limits = httpx.Limits(max_connections=self.max_in_flight, max_keepalive_connections=64)
+        sem = asyncio.Semaphore(self.max_in_flight)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0), limits=limits) as client:
+            tasks = []
+            t0 = time.monotonic()
+            for req in self.trace:
+                delay = t0 + req.arrival_s - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(self._one(client, req, sem)))
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.done.set()
+
+
+def bucket_median(values: list[float], bounds=QUEUE_TIME_BUCKETS) -> float:
+    """The median as Prometheus' histogram_quantile reads it from the engine's buckets."""
+    f = MetricFigures()
+    name = "kvtune_request_queue_time_seconds"
+    for b in list(bounds) + [float("inf")]:
+        le = "+Inf" if b == float("inf") else repr(float(b))
+        f.set(f"{name}_bucket", sum(1 for v in values if v <= b), le=le)
+    return f.hist_quantile(name, 0.5)
+
+
+def run_engine(case: Case, model: Path, logdir: Path) -> dict[str, Any]:
+    trace = make_trace(case)
+    prompts = prompts_for(trace, MODEL_SHAPE["vocab"])
+    flags = {**BASE, **case.flags}
+    eng = EngineProcess(model, flags, device_memory_gib=DEVICE_MEMORY_GIB, log_path=logdir / f"{case.name}.log")
+    eng.start()
+    steps: dict[float, dict] = {}
+    try:
+        with httpx.Client(timeout=30) as http:
+            def poll_steps() -> None:
+                for s in http.get(f"{eng.url}/kvtune/v1/steps").json()["steps"]:
+                    steps[s["t_s"]] = s
+            load = OnePassLoad(eng.url, trace, prompts, model.name)
+            load.start()
+            while not load.done.wait(4.0):  # the ring holds 4096 steps: ~10 s here
+                poll_steps()
+            load.stop()
+            poll_steps()
+            state = http.get(f"{eng.url}/kvtune/v1/state").json()
+            metrics = http.get(f"{eng.url}/metrics").text
+            etrace = http.get(f"{eng.url}/kvtune/v1/trace").json()["requests"]
+    finally:
+        eng.stop()
+    if load.stats.failed:
+        raise RuntimeError(f"{case.name}: {load.stats.failed} requests failed: {load.stats.errors[:3]}")
+    return {"flags": flags, "state": state, "metrics": metrics, "trace": etrace,
+            "steps": [steps[k] for k in sorted(steps)]}
+
+
+def evaluate(case: Case, run: dict[str, Any]) -> dict[str, Any]:
+    """Measured figures from the engine's own records, and the simulator's prediction."""
+    steps, etrace, state = run["steps"], run["trace"], run["state"]
+    figs = MetricFigures.from_prometheus_text(run["metrics"])
+    t_first = min(r["arrival_s"] for r in etrace)
+    t_end = max(s["t_s"] + s["duration_s"] for s in steps)
+    out_tokens = sum(r["output_tokens"] for r in etrace)
+    q_count = figs.hist_count("kvtune_request_queue_time_seconds") or 0.0
+    measured = {
+        "output_tokens_per_s": out_tokens / (t_end - t_first),
+        "queue_time_p50_s": figs.hist_quantile("kvtune_request_queue_time_seconds", 0.5),
+        "queue_time_mean_s": (figs.hist_sum("kvtune_request_queue_time_seconds") or 0.0) / q_count if q_count else 0.0,
+        "duration_s": t_end - t_first,
+        "requests": len(etrace),
+        "preemptions": sum(v for _, v in figs.series("kvtune_preemptions_total")),
+        "num_blocks": state["num_blocks"],
+    }
+    # the tuner's path: observation -> fitted profile -> simulate the engine's trace
+    obs = Observation.from_metrics(figs, state=state, trace=etrace, window_s=t_end - t_first).with_engine_steps(steps)
+    profile, fit = fitted(obs, None)  # as the demo's tuner: no named profile, all from the window
+    cfg = EngineConfig.build(**run["flags"])
+    # stamp_at_step: the engine's histograms start a request's clock when its loop takes it in
+    summary = simulate(as_trace(etrace), cfg, profile, per_request=True, stamp_at_step=True)
+    queues = [r["queue_s"] for r in summary["per_request"]]
+    predicted = {
+        "output_tokens_per_s": summary["output_tokens_per_s"],
+        "queue_time_p50_s": bucket_median(queues),
+        "queue_time_p50_exact_s": summary["queue_time_p50_s"],
+        "queue_time_mean_s": sum(queues) / len(queues) if queues else 0.0,
+        "duration_s": summary["duration_s"],
+        "requests": summary["requests"]["finished"],
+        "preemptions": sum(summary["preemptions"][k] for k in ("swap", "recompute")),
+        "num_blocks": summary["num_blocks"],
+    }
+    return {"case": case.name, "trace": case.trace, "flags": run["flags"], "measured": measured,
+            "predicted": predicted,
+            "fit": None if fit is None else {"c0": fit.c0, "c_tok": fit.c_tok, "c_ctx": fit.c_ctx,
+                                             "c_pair": fit.c_pair, "knee": fit.knee_tokens,
+                                             "rel_rmse": fit.rel_rmse, "samples": fit.samples}}
+
+
+def rel(p: float, m: float) -> float:
+    return (p - m) / m if m else float("inf")
+
+
+def report(results: list[dict[str, Any]]) -> dict[str, Any]:
+    hdr = (f"{'case':<22} {'tok/s pred':>10} {'meas':>8} {'err':>7}   {'queue p50 pred':>14} {'meas':>8} {'err':>7}"
+           f"   {'q mean pred':>11} {'meas':>8}   {'preempt p/m':>11} {'blocks':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    tok_err, q_err = [], []
+    for r in results:
+        p, m = r["predicted"], r["measured"]
+        te = rel(p["output_tokens_per_s"], m["output_tokens_per_s"])
+        tok_err.append(abs(te))
+        if m["queue_time_p50_s"] >= QUEUE_FLOOR_S or p["queue_time_p50_s"] >= QUEUE_FLOOR_S:
+            qe = rel(p["queue_time_p50_s"], m["queue_time_p50_s"])
+            q_err.append(abs(qe))
+            qs = f"{qe:+7.1%}"
+        else:
+            qs = f"{'(<10ms)':>7}"
+        r["error"] = {"output_tokens_per_s": te, "queue_time_p50_s": None if qs.strip() == "(<10ms)" else qe}
+        blocks = f"{m['num_blocks']}" if m["num_blocks"] == p["num_blocks"] else f"{p['num_blocks']}!={m['num_blocks']}"
+        print(f"{r['case']:<22} {p['output_tokens_per_s']:>10.1f} {m['output_tokens_per_s']:>8.1f} {te:+7.1%}   "
+              f"{p['queue_time_p50_s']:>13.4f}s {m['queue_time_p50_s']:>7.4f}s {qs}   "
+              f"{p['queue_time_mean_s']:>10.4f}s {m['queue_time_mean_s']:>7.4f}s   "
+              f"{p['preemptions']:>5.0f}/{m['preemptions']:<5.0f} {blocks:>6}")
+    med = {"output_tokens_per_s": statistics.median(tok_err) if tok_err else None,
+           "queue_time_p50_s": statistics.median(q_err) if q_err else None}
+    print("-" * len(hdr))
+    print(f"median |error|: throughput {med['output_tokens_per_s']:.1%} ({len(tok_err)} cases), "
+          f"median queue time {med['queue_time_p50_s']:.1%} ({len(q_err)} cases with queueing)"
+          if q_err else f"median |error|: throughput {med['output_tokens_per_s']:.1%}")
+    print(f"max |error|:    throughput {max(tok_err):.1%}"
+          + (f", median queue time {max(q_err):.1%}" if q_err else ""))
+    print("goal (issue 5 section 6): <= 10% on throughput and on median queue time")
+    return med
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated case names")
+    ap.add_argument("--json", type=Path, default=None, help="write every figure (and the fits) here")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the model, engine logs and raw runs here")
+    ap.add_argument("--fit-details", action="store_true", help="print each case's fitted step costs")
+    ap.add_argument("--replay", action="store_true",
+                    help="re-evaluate the raw runs kept in --keep DIR (no engine runs; for working on the simulator)")
+    a = ap.parse_args()
+    cases = [c for c in CASES if not a.only or c.name in a.only.split(",")]
+    if not cases:
+        sys.exit(f"no case named {a.only!r}; cases: {', '.join(c.name for c in CASES)}")
+    work = a.keep or Path(tempfile.mkdtemp(prefix="kvtune-fidelity-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if a.replay and not a.keep:
+        sys.exit("--replay needs --keep DIR")
+    if a.replay:
+        cases = [c for c in cases if (work / f"{c.name}.run.json").is_file()]
+    model = ensure_model(work)
+    results = []
+    t0 = time.monotonic()
+    for c in cases:
+        t = time.monotonic()
+        if a.replay:
+            run = json.loads((work / f"{c.name}.run.json").read_text())
+        else:
+            run = run_engine(c, model, work)
+        if a.keep and not a.replay:
+            (work / f"{c.name}.run.json").write_text(json.dumps(run))
+        res = evaluate(c, run)
+        results.append(res)
+        m, p = res["measured"], res["predicted"]
+        print(f"[{time.monotonic() - t0:5.0f}s] {c.name}: {m['requests']} requests in {m['duration_s']:.1f}s "
+              f"(simulated {p['duration_s']:.1f}s), {time.monotonic() - t:.0f}s", file=sys.stderr, flush=True)
+        if a.fit_details and res["fit"]:
+            f = res["fit"]
+            print(f"    fit: c0 {f['c0'] * 1e3:.3f} ms, c_tok {f['c_tok'] * 1e6:.2f} us, c_ctx {f['c_ctx'] * 1e9:.2f} ns, "
+                  f"knee {f['knee']:.0f}, rel_rmse {f['rel_rmse']:.2f}, {f['samples']} steps", file=sys.stderr)
+    med = report(results)
+    print(f"total {time.monotonic() - t0:.0f}s")
+    if a.json:
+        a.json.write_text(json.dumps({"cases": results, "median_abs_error": med}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
