@@ -40,11 +40,31 @@ def _increase(values: list[float]) -> float:
     return inc
 
 
-def window_figures(series: list[dict[str, Any]]) -> tuple[MetricFigures, list[str]]:
-    """Raw range-query results -> per-replica-averaged window figures, and the replicas' addresses."""
+def _new_series_after(series: list[dict[str, Any]], window_s: float | None) -> float | None:
+    """The time after which a series' first sample means the series began inside the window: two
+    scrape intervals (the median gap between samples) after the window's start. None when unknown."""
+    if not window_s:
+        return None
+    stamps = [[float(t) for t, _ in s["values"]] for s in series if s.get("values")]
+    gaps = sorted(b - a for ts in stamps for a, b in zip(ts, ts[1:]) if b > a)
+    if not gaps:
+        return None
+    end = max(ts[-1] for ts in stamps)
+    return end - window_s + 2 * gaps[len(gaps) // 2]
+
+
+def window_figures(series: list[dict[str, Any]], window_s: float | None = None) -> tuple[MetricFigures, list[str]]:
+    """Raw range-query results -> per-replica-averaged window figures, and the replicas' addresses.
+
+    With ``window_s`` (the range of the query), a counter series whose first sample comes more than two
+    scrape intervals after the window's start began inside the window: a process that started then (a
+    restart change rolled the pods, a new replica), whose counters started from zero. Its first sample
+    is then part of the increase (the requests it served before Prometheus first scraped it), as
+    Prometheus' own increase() extrapolates such a series to zero."""
     sums: dict[tuple, list[float]] = {}
     maxima: dict[tuple, list[float]] = {}
     instances: set[str] = set()
+    new_after = _new_series_after(series, window_s)
     for s in series:
         labels = dict(s["metric"])
         name = labels.pop("__name__")
@@ -55,6 +75,8 @@ def window_figures(series: list[dict[str, Any]]) -> tuple[MetricFigures, list[st
             continue
         key = MetricFigures.key(name, **{k: v for k, v in labels.items() if k not in PER_REPLICA_LABELS})
         if name.endswith(COUNTER_SUFFIXES):
+            if new_after is not None and float(s["values"][0][0]) > new_after:
+                values = [0.0, *values]  # began inside the window: counted from zero
             sums.setdefault(key, []).append(_increase(values))
         else:
             sums.setdefault(key, []).append(sum(values) / len(values))
@@ -78,7 +100,7 @@ def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout
         raise MetricsUnavailable(
             "NoSeries", f"Prometheus at {url} has no kvtune_* series for {namespace}/{name} in the last "
             f"{int(window_s)}s: is the engine scraped (PodMonitor) and running?")
-    figures, instances = window_figures(series)
+    figures, instances = window_figures(series, max(1, int(window_s)))
     if figures.get("kvtune_steps_total") is None:
         raise MetricsUnavailable("IncompleteSeries", f"the series of {namespace}/{name} lack kvtune_steps_total")
     return Window(figures, instances, window_s)

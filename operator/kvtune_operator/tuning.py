@@ -28,7 +28,7 @@ from .tuner.candidates import Bounds
 from .tuner.candidates import Range as TRange
 from .tuner.decide import Decision, Objectives, knob_changes, window_figures
 from .tuner.loop import Round, Tuner, TunerSettings, measured_figures
-from .tuner.observation import Observation
+from .tuner.observation import WAITING_CAUSES, Observation
 
 #: shortest window worth judging (after a change, the window only counts what ran under it)
 MIN_WINDOW_S = 10.0
@@ -79,20 +79,31 @@ def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSe
 
 def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploymentSpec,
            since_change_s: float | None, *, timeout_s: float = 10.0) -> Gathered:
-    """Prometheus over the window (never reaching back past the last change), then the state, trace
-    and step log of one replica Prometheus scraped. Raises MetricsUnavailable with a reason."""
+    """Prometheus over the window (never reaching back past the last change, nor past the start of
+    the engine it reads: after a restart change, the new pods' start), then the state, trace and step
+    log of one replica Prometheus scraped. Raises MetricsUnavailable with a reason."""
     window = plan.window_s if since_change_s is None else min(plan.window_s, since_change_s)
     if window < MIN_WINDOW_S:
         raise MetricsUnavailable("WindowTooShort", f"only {window:.0f}s since the last change; "
                                  f"waiting for at least {MIN_WINDOW_S:.0f}s of metrics under the new knobs")
     w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s)
-    errors = []
+    errors, young = [], []
     for inst in w.instances:
         url = inst if inst.startswith("http") else f"http://{inst}"
         try:
             with httpx.Client(timeout=timeout_s) as http:
                 state = http.get(f"{url}/kvtune/v1/state").raise_for_status().json()
-                since = max(0.0, float(state.get("uptime_s") or 0.0) - window)
+                uptime = float(state.get("uptime_s") or 0.0)
+                if uptime < MIN_WINDOW_S:
+                    young.append(f"{inst} started {uptime:.0f}s ago")
+                    continue
+                if uptime < window:
+                    # The engine started inside the window (a restart change rolled the pods): the
+                    # window before its start is another engine (the old pod, under the old knobs,
+                    # then none while the new one loaded), not the config this one runs.
+                    window = uptime
+                    w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s)
+                since = max(0.0, uptime - window)
                 trace = http.get(f"{url}/kvtune/v1/trace", params={"since_s": since, "limit": 5000}) \
                     .raise_for_status().json().get("requests", [])
                 steps = http.get(f"{url}/kvtune/v1/steps", params={"limit": 2000}).raise_for_status().json()
@@ -104,6 +115,9 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
                                        slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s)
         # the step log gives the cost fit one sample per step (the histograms only their means)
         return Gathered(obs.with_engine_steps(steps.get("steps", [])), trace, window)
+    if young:
+        raise MetricsUnavailable("WindowTooShort", f"the engine started less than {MIN_WINDOW_S:.0f}s ago "
+                                 f"({'; '.join(young)}); waiting for metrics from it")
     raise MetricsUnavailable("EngineUnreachable", "cannot read the engine's state and trace: "
                              + ("; ".join(errors) or "Prometheus lists no engine instance"))
 
@@ -119,7 +133,9 @@ def diagnosis_status(rnd: Round, window_s: float, now: float) -> dict[str, Any]:
         "queueTimeP95Seconds": round(o.queue_time_p99_s, 3),
         "throughputTokensPerSecond": round(o.output_tokens_per_s, 2),
         "goodputRequestsPerSecond": round(o.goodput_requests_per_s, 3),
-        "waitingReasonShares": {k: round(v, 3) for k, v in o.waiting_cause_share.items()},
+        # every cause, also those the engine did not report (0): the map replaces the previous one
+        "waitingReasonShares": {k: round(v, 3) for k, v in {**dict.fromkeys(WAITING_CAUSES, 0.0),
+                                                            **o.waiting_cause_share}.items()},
     }
     if o.prefix_cache_hit_rate is not None:
         figs["prefixCacheHitPercent"] = round(100 * o.prefix_cache_hit_rate, 1)
@@ -132,6 +148,18 @@ def _figures(f: dict[str, float] | None) -> dict[str, Any] | None:
             "output_tokens_per_s": "throughputTokensPerSecond", "queue_time_p99_s": "queueTimeP95Seconds"}
     out = {camel: round(float(f[k]), 3) for k, camel in keep.items() if f and f.get(k) is not None}
     return out or None
+
+
+def _replacing(old: Any, new: Any) -> Any:
+    """``new`` as a JSON merge patch that replaces ``old``: keys of ``old`` that ``new`` lacks become
+    None (deleted), at every depth. The status is written by merge patch, which merges nested objects:
+    without this, a RollBack in tuning.lastChange would keep the before/after/restart of the Apply it
+    replaced, and a diagnosis the figures of an earlier one."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = {k: _replacing(old.get(k), v) for k, v in new.items()}
+        out.update({k: None for k in old if k not in new})
+        return out
+    return new
 
 
 def _camel(d: dict[str, Any]) -> dict[str, Any]:
@@ -164,7 +192,9 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     out = TickResult()
     obs, mode, ts = gathered.observation, plan.mode, now_iso(now)
     current = effective_engine(spec, status, mode).config
-    tuning = {k: v for k, v in (status.tuning.dump() if status and status.tuning else {}).items()}
+    old_tuning = status.tuning.dump() if status and status.tuning else {}
+    old_diagnosis = status.diagnosis.dump() if status and status.diagnosis else {}
+    tuning = dict(old_tuning)
     history = list(tuning.get("history") or [])
     out.conditions.append(c.Cond("MetricsAvailable", "True", "WindowRead",
                                  f"{int(gathered.window_s)}s of engine metrics and {len(gathered.trace)} "
@@ -182,7 +212,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         rnd.decision = Decision("change", f"trying the knobs of annotation {TRY_ANNOTATION}", current, cfg,
                                 knob_changes(current, cfg), restart=bool(current.restart_changes(cfg)))
         tuner.state.begin(rnd.decision, measured_figures(obs), now)
-    out.status_update["diagnosis"] = diagnosis_status(rnd, gathered.window_s, now)
+    out.status_update["diagnosis"] = _replacing(old_diagnosis, diagnosis_status(rnd, gathered.window_s, now))
 
     def record(entry: dict[str, Any], event_type: str) -> None:
         entry = {k: v for k, v in entry.items() if v is not None}
@@ -194,7 +224,10 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     if rnd.verdict is not None:
         v = rnd.verdict
         action = "Keep" if v.keep else "RollBack"
+        undo = knob_changes(current, rnd.config)  # a rollback's own change (none for a Keep)
         record({"time": ts, "action": action, "cause": rnd.diagnosis.cause, "message": v.reason,
+                "restart": bool(current.restart_changes(rnd.config)),
+                "before": _camel({k: getattr(current, k) for k in undo}) or None, "after": _camel(undo) or None,
                 "predicted": _figures(v.predicted), "measured": _figures(v.measured)},
                "Normal" if v.keep else "Warning")
         target, phase, message = rnd.config, ("Settled" if v.keep else "RolledBack"), v.reason
@@ -221,7 +254,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         out.status_update.update(tuned_status(spec, current, changes))
         out.applied = changes
     tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:])
-    out.status_update["tuning"] = tuning
+    out.status_update["tuning"] = _replacing(old_tuning, tuning)
     settled = rnd.diagnosis.cause == "Healthy" or phase in ("Settled",)
     out.conditions.append(c.Cond("Tuned", "True" if settled else "False", phase, message or rnd.diagnosis.message))
     return out
