@@ -25,7 +25,11 @@ def test_demo_fixes_the_sequence_cap_live_then_low_memory_by_a_restart(tmp_path)
     assert mem["restart"] is True and mem["changes"]["gpu_memory_utilization"] > 0.09
     w = {(x["phase"], x["label"]): x["figures"] for x in data["windows"]}
     before, after = w["Sequence cap", "before"], w["Sequence cap", "after"]
-    assert after["tokens_per_s"] > 1.3 * before["tokens_per_s"] and after["waiting"] < before["waiting"]
+    # the cap no longer holds the queue head back (the after window may still be draining the backlog
+    # that built up under the cap, so its mean queue length is no measure) and throughput rose
+    assert before["waiting_cause_share"]["max_num_seqs"] > 0.8
+    assert after["waiting_cause_share"]["max_num_seqs"] < 0.5 * before["waiting_cause_share"]["max_num_seqs"]
+    assert after["tokens_per_s"] > 1.3 * before["tokens_per_s"]
     before, after = w["Low KV memory", "before"], w["Low KV memory", "after"]
     assert before["preemptions"] > 0 and after["preemptions"] < before["preemptions"]
     assert not [e for e in data["events"] if e["kind"] == "RollBack"]

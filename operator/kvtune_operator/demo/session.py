@@ -154,6 +154,7 @@ class Demo:
         return {"goodput_rps": obs.goodput_requests_per_s, "tokens_per_s": obs.output_tokens_per_s,
                 "queue_p99_s": obs.queue_time_p99_s, "preemptions": obs.preemptions,
                 "kv_usage": obs.kv_usage_mean, "waiting": obs.waiting_mean,
+                "waiting_cause_share": dict(obs.waiting_cause_share),
                 "cause": f"{cause} ({share:.0%})" if cause and share >= 0.005 else "none"}
 
     # ---------------------------------------------------------------- the loop
