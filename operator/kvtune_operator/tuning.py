@@ -17,6 +17,8 @@ from typing import Any, Callable
 
 import httpx
 
+from kvtune_engine.config import RESTART_KNOBS
+
 from . import conditions as c
 from .effective import (AutotunePlan, Choices, Range, baseline_config, effective_engine, knob_bounds,
                         resolve_autotune, tuned_status)
@@ -224,9 +226,11 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     if rnd.verdict is not None:
         v = rnd.verdict
         action = "Keep" if v.keep else "RollBack"
-        undo = knob_changes(current, rnd.config)  # a rollback's own change (none for a Keep)
+        # a rollback's own change (a rolled-back round decides nothing else, so rnd.config is the
+        # restored config); a Keep changes nothing (rnd.config may be a decision of this same round)
+        undo = {} if v.keep else knob_changes(current, rnd.config)
         record({"time": ts, "action": action, "cause": rnd.diagnosis.cause, "message": v.reason,
-                "restart": bool(current.restart_changes(rnd.config)),
+                "restart": bool(RESTART_KNOBS & undo.keys()),
                 "before": _camel({k: getattr(current, k) for k in undo}) or None, "after": _camel(undo) or None,
                 "predicted": _figures(v.predicted), "measured": _figures(v.measured)},
                "Normal" if v.keep else "Warning")

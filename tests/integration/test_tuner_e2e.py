@@ -45,7 +45,7 @@ pytestmark = pytest.mark.integration
 
 VOCAB = 122_880            # the weights are ~121 MiB: most of the small device
 BLOCK_BYTES = 16 * 2048    # block size 16 x K/V bytes per token (2 layers, 4 KV heads of 32, float32)
-LOW_BLOCKS = 40            # KV blocks at gpuMemoryUtilization 0.1 on the stand-in device
+LOW_BLOCKS = 24            # KV blocks at gpuMemoryUtilization 0.1 on the stand-in device
 INTERVAL, WINDOW = "8s", "20s"
 LABEL = "kvtune.io/inference-deployment"
 
@@ -147,10 +147,12 @@ def replica_sets(controlplane, ns: str, name: str) -> set[str]:
 
 
 def table_row(controlplane, ns: str, name: str) -> tuple[dict[str, str], dict]:
-    """`kubectl get infd NAME` as {column: value}, with the object it showed (same resourceVersion)."""
+    """`kubectl get infd NAME -o wide` as {column: value}, with the object it showed (same
+    resourceVersion). Not READY/REPLICAS: the harness' kwok renews no node leases, so about 50 s
+    into a session the node controller marks every pod not ready (a harness matter)."""
     def read():
         before = get(controlplane, "infd", name, ns)
-        lines = controlplane.kubectl("get", "infd", name, "-n", ns).stdout.splitlines()
+        lines = controlplane.kubectl("get", "infd", name, "-n", ns, "-o", "wide").stdout.splitlines()
         after = get(controlplane, "infd", name, ns)
         if before["metadata"]["resourceVersion"] != after["metadata"]["resourceVersion"]:
             return None  # the status moved while we looked: read again
@@ -213,8 +215,8 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
     gen, template, pod_name = dep["metadata"]["generation"], dep["spec"]["template"], local.name
     rs_before = replica_sets(controlplane, ns, name)
 
-    # 6 requests/s of 32 + 32 tokens: two sequences at a time cannot keep up, the queue grows
-    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=6.0, prompt_tokens=32, output_tokens=32,
+    # 7 requests/s of 32 + 32 tokens: two sequences at a time cannot keep up, the queue grows
+    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=7.0, prompt_tokens=32, output_tokens=32,
                         vocab=VOCAB, max_requests=1500, max_seconds=240, max_in_flight=96, seed=1)
     with load:
         # 1. the diagnosis and a live change of maxNumSeqs
@@ -253,6 +255,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         log(f"seqcap: verified after {time.monotonic() - t0:.0f}s: {verdict}")
         assert verdict["action"] == "Keep", verdict
         assert verdict["measured"]["goodputRequestsPerSecond"] > 0
+        assert "after" not in verdict and verdict["restart"] is False  # a Keep changes nothing
         dep = get(controlplane, "deployment", name, ns)
         assert dep["metadata"]["generation"] == gen and dep["spec"]["template"] == template
         assert replica_sets(controlplane, ns, name) == rs_before
@@ -263,7 +266,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         d = shown["status"]["diagnosis"]
         assert row["KV%"] == f"{d['figures']['kvUsagePercent']:g}" and row["WAITING"] == str(d["figures"]["waiting"])
         assert row["CAUSE"] == d["cause"] and row["TUNING"] == shown["status"]["tuning"]["phase"]
-        assert row["READY"] == "True" and row["REPLICAS"] == "1/1", (row, shown["status"]["conditions"])
+        assert row["MAXSEQS"] == str(shown["status"]["engine"]["maxNumSeqs"]) and row["MODE"] == "Apply"
 
         # 3. a deliberately bad candidate, forced: applied, measured worse, rolled back
         good = get(controlplane, "infd", name, ns)["status"]["engine"]["maxNumSeqs"]
@@ -327,8 +330,8 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
     # the stand-in device: 10% of it holds the weights and LOW_BLOCKS KV blocks (and half a block)
     device = (weights_bytes(model) + LOW_BLOCKS * BLOCK_BYTES + BLOCK_BYTES // 2) / 0.1 / 2**30
     controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd(
-        name, model, engine={"maxNumSeqs": 16, "gpuMemoryUtilization": 0.1},
-        bounds={"maxNumSeqs": {"min": 4, "max": 16}, "gpuMemoryUtilization": {"min": 0.1, "max": 0.3}},
+        name, model, engine={"maxNumSeqs": 48, "gpuMemoryUtilization": 0.1},
+        bounds={"maxNumSeqs": {"min": 8, "max": 64}, "gpuMemoryUtilization": {"min": 0.1, "max": 0.3}},
         extra_args=["--device-memory", f"{device:.9f}"]))
     local = start_engine(controlplane, pod_node, ns, name)
     log(f"lowmem: engine listening after {time.monotonic() - t0:.0f}s")
@@ -340,8 +343,8 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
     rs_before = replica_sets(controlplane, ns, name)
     assert len(rs_before) == 1
 
-    # 6 requests/s of 16 + 112 tokens (8 blocks each): 40 blocks hold five of them
-    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=6.0, prompt_tokens=16, output_tokens=112,
+    # 5 requests/s of 16 + 112 tokens (8 blocks each): 24 blocks hold three of them
+    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=5.0, prompt_tokens=16, output_tokens=112,
                         vocab=VOCAB, max_requests=1200, max_seconds=200, max_in_flight=96, seed=2)
     with load:
         obj = wait_for(controlplane, ns, name, lambda o: any(h["action"] == "Apply" for h in history(o)),
@@ -393,11 +396,12 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
         verdict = next(h for h in history(obj) if h["action"] in ("Keep", "RollBack"))
         log(f"lowmem: verified after {time.monotonic() - t0:.0f}s: {verdict}")
         assert verdict["action"] == "Keep", verdict
+        assert "after" not in verdict and verdict["restart"] is False  # a Keep changes nothing
         assert obj["status"]["engine"]["gpuMemoryUtilization"] == raised
         assert len(replica_sets(controlplane, ns, name)) == 2
         assert [p.name for p in pod_node.pods_for_selector(ns, {LABEL: name})] == [new.name]
         row, shown = table_row(controlplane, ns, name)
-        assert row["MEMUTIL"] == f"{raised:g}" and row["REPLICAS"] == "1/1"
+        assert row["MEMUTIL"] == f"{raised:g}"
         d = shown["status"]["diagnosis"]
         assert row["CAUSE"] == d["cause"] and row["TUNING"] == shown["status"]["tuning"]["phase"]
         assert row["KV%"] == f"{d['figures']['kvUsagePercent']:g}" and row["WAITING"] == str(d["figures"]["waiting"])
