@@ -210,7 +210,7 @@ def test_profile_files_load_and_bad_ones_say_why(tmp_path):
     good = tmp_path / "mine.json"
     good.write_text(PROFILES["cpu-tiny"].model_copy(update={"name": "mine"}).model_dump_json())
     p = load_profile(str(good))
-    assert isinstance(p, Profile) and p.name == "mine" and p.kv_bytes_per_token == 512
+    assert isinstance(p, Profile) and p.name == "mine" and p.kv_bytes_per_token == 4096  # the demo model
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**PROFILES["cpu-tiny"].model_dump(), "step_overhead_s": -1, "colour": 1}))
     with pytest.raises(ProfileError, match=r"bad.json: .*step_overhead_s.*colour"):

@@ -99,20 +99,41 @@ def from_specs(name: str, gpu: GPU, m: Model) -> Profile:
     )
 
 
-# cpu-tiny: the tiny random Llama the tests build (2 layers, hidden 64, 4 heads, 2 KV heads,
-# head_dim 16, fp32), run by our engine on CPU with --kv-cache-memory. The step costs are a first
-# estimate (~4 ms of Python per step, ~30 us per token) to be refitted with fit_step_costs from the
-# engine's measured steps; the memory picture is exact for that model (512 bytes of K/V per token).
+# cpu-tiny: the demo's model on our engine on CPU -- a random Llama of `kvtune make-tiny-model --layers=4
+# --hidden=256 --heads=4 --kv-heads=2 --vocab=4096 --intermediate=768` (kvtune_operator/demo/session.py
+# MODEL_SHAPE; fp32, head_dim 64) served by `kvtune serve --device cpu --device-memory 0.25` as the demo
+# runs it (EngineProcess: OMP_NUM_THREADS=1), on the 2-core AMD EPYC dev box.
+#
+# Memory picture, exact for that model and flag (the engine's own /metrics kvtune_memory_bytes):
+#   device_total 0.25 GiB (--device-memory), weights 20,980,736 bytes (5.2M fp32 parameters),
+#   activations 0 (the CPU runner does not profile them), K/V 2 * 4 layers * 2 heads * 64 * 4 bytes =
+#   4096 bytes per token. So `kvtune sim --profile cpu-tiny --gpu-memory-utilization 0.9` sizes 3366
+#   blocks of 16 and 0.09 gives 48, exactly as the engine does. Swap (host memory, copy bandwidth) is
+#   an estimate: the fits below saw no swapping.
+#
+# Step costs, fitted (tuner/fit.py fit_step_cost, knee model) to 19,059 engine steps of the 7 cases
+# of bench/sim_fidelity.py pooled, each step's wall time including the gap to the next step while busy
+# (fit.samples_from_engine_steps): produced by
+#     python bench/sim_fidelity.py --keep /tmp/fid --fit-profile
+# (2025-11-30, machine speed 0.7-1.7 of its usual: the box is shared). Relative RMS residual 0.91:
+# single steps scatter widely on a shared 2-core box; their mean is what the fit is good for. Reading:
+# every step costs at least ~2.2 ms (a 12-token floor: Python scheduling, sampling, detokenization, the
+# HTTP server's share of the interpreter), then 185 us per batched token and 3.75 us per decode
+# context token. The engine's step log has no prefill attention figure, so per_prefill_pair_s is 0
+# (its cost is inside per_token_s at these prompt lengths, 16-600 tokens). Refit after engine changes;
+# figures for one case vary by up to ~2x with the machine's load (`--fit-details` prints each case's).
 CPU_TINY = Profile(
     name="cpu-tiny",
-    description="tiny random Llama (2 layers, hidden 64, fp32) on CPU; step costs to be refitted",
-    device_total_bytes=4 * GIB, weights_bytes=2 * MIB, activation_base_bytes=64 * MIB,
-    activation_bytes_per_batched_token=4 * (4 * 64 + 2 * 256 + 8 * 16),
-    num_layers=2, num_kv_heads=2, head_dim=16, kv_dtype_bytes=4,
+    description="the demo's tiny random Llama (4 layers, hidden 256, fp32) on our engine on 2 CPU cores; "
+                "step costs fitted from the engine's step log",
+    device_total_bytes=GIB // 4, weights_bytes=20_980_736, activation_base_bytes=0,
+    activation_bytes_per_batched_token=0.0,
+    num_layers=4, num_kv_heads=2, head_dim=64, kv_dtype_bytes=4,
     host_bytes=8 * GIB, swap_bandwidth_bytes_per_s=5e9,
-    step_overhead_s=4e-3, weights_read_s=0.0, per_token_s=30e-6, per_context_token_s=0.2e-6,
-    per_prefill_pair_s=2e-9,
-    derivation="estimate; refit with kvtune_engine.sim.profile.fit_step_costs",
+    step_overhead_s=0.0, weights_read_s=2.2065e-3, per_token_s=185.095e-6, per_context_token_s=3.75084e-6,
+    per_prefill_pair_s=0.0,
+    derivation="fitted: python bench/sim_fidelity.py --keep DIR --fit-profile (19,059 steps of the demo model "
+               "on the 2-core dev box, 2025-11-30); see kvtune_engine/sim/profiles.py",
 )
 
 PROFILES: dict[str, Profile] = {
