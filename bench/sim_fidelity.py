@@ -21,9 +21,27 @@ Goal (issue 5 section 6): <= 10% error on throughput and on median queue time. A
 time below 10 ms (an engine that is not queueing) has no meaningful relative error: the table
 shows both values and leaves it out of the median.
 
-Runtime: ~20-40 s per case (engine start, the trace, the drain); about 5 minutes on 2 cores.
+Before the window the engine is warmed up (a few requests of assorted lengths: a fresh process's
+first forwards are several times slower); the window's figures are the /metrics difference, the trace
+and the steps after it. The warm-up's second pass also gives the machine's "speed" (1.0: usual), printed
+per case: the box is shared and its speed swings by 2x over minutes.
 
-    python bench/sim_fidelity.py [--only NAME[,NAME]] [--json out.json] [--keep DIR]
+What the simulator needed (see the commit log): the step's wall time, not only its `duration_s` -- the
+gap between steps (the loop handing outputs to the server, new requests, the server's threads and
+other processes taking the CPU) is 10-20% of the busy time on 2 cores (`fit.samples_from_engine_steps`
+now adds it); and, for queue time, the engine's convention of starting a request's clock when its loop
+takes it in (`simulate(..., stamp_at_step=True)`). What it cannot model: the machine's speed varying
+within a run (the residual of single steps is 50-90% RMS, windows of 200 steps run 0.6-2x the fitted
+mean) and the engine running ~10% slower while requests arrive than while it drains (seen in some
+runs). Such noise cancels in throughput (errors ~1%), not in queue time: a slow stretch builds a queue
+that the simulator, stepping at the fitted mean, does not have, and a fast one the reverse, so the
+queue-time error moves by 10-40% either way from run to run of the same case.
+
+Runtime: ~15-30 s per case (engine start, warm-up, the trace, the drain); about 3 minutes on 2 cores.
+`--fit-profile` also fits one step-cost model to all cases' steps pooled (how `cpu-tiny` was made).
+
+    python bench/sim_fidelity.py [--only NAME[,NAME]] [--json out.json] [--keep DIR] [--fit-details]
+                                 [--fit-profile] [--replay]
 """
 from __future__ import annotations
 
@@ -37,7 +55,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
