@@ -29,8 +29,8 @@ per case: the box is shared and its speed swings by 2x over minutes.
 What the simulator needed (see the commit log): the step's wall time, not only its `duration_s` -- the
 gap between steps (the loop handing outputs to the server, new requests, the server's threads and
 other processes taking the CPU) is 10-20% of the busy time on 2 cores (`fit.samples_from_engine_steps`
-now adds it); and, for queue time, the engine's convention of starting a request's clock when its loop
-takes it in (`simulate(..., stamp_at_step=True)`). What it cannot model: the machine's speed varying
+now adds it); and, for queue time, the engine's server stamping a request's arrival when the HTTP
+request arrives, not when the engine loop next takes it in (fixed in the engine). What it cannot model: the machine's speed varying
 within a run (the residual of single steps is 50-90% RMS, windows of 200 steps run 0.6-2x the fitted
 mean) and the engine running ~10% slower while requests arrive than while it drains (seen in some
 runs). Such noise cancels in throughput (errors ~1%), not in queue time: a slow stretch builds a queue
@@ -272,8 +272,7 @@ def evaluate(case: Case, run: dict[str, Any]) -> dict[str, Any]:
     obs = Observation.from_metrics(figs, state=state, trace=etrace, window_s=t_end - t_first).with_engine_steps(steps)
     profile, fit = fitted(obs, None)  # as the demo's tuner: no named profile, all from the window
     cfg = EngineConfig.build(**run["flags"])
-    # stamp_at_step: the engine's histograms start a request's clock when its loop takes it in
-    summary = simulate(as_trace(etrace), cfg, profile, per_request=True, stamp_at_step=True)
+    summary = simulate(as_trace(etrace), cfg, profile, per_request=True)
     queues = [r["queue_s"] for r in summary["per_request"]]
     predicted = {
         "output_tokens_per_s": summary["output_tokens_per_s"],

@@ -90,7 +90,9 @@ class AsyncEngine:
         self._streams[request_id] = stream
         with self._pending_lock:
             self._pending_adds += 1
-        self._cmds.put(("add", (prompt_ids, params, request_id)))
+        # the request's clock starts now, not when the engine thread next takes it in: queue time and
+        # TTFT include the wait for the step in flight, as a client sees them
+        self._cmds.put(("add", (prompt_ids, params, request_id, self.engine.clock())))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -141,11 +143,11 @@ class AsyncEngine:
     def _handle(self, kind: str, payload: Any, posts: list) -> None:
         eng = self.engine
         if kind == "add":
-            prompt_ids, params, rid = payload
+            prompt_ids, params, rid, arrival_s = payload
             with self._pending_lock:
                 self._pending_adds -= 1
             try:
-                eng.add_request(prompt_ids, params, request_id=rid)
+                eng.add_request(prompt_ids, params, request_id=rid, arrival_s=arrival_s)
             except InvalidRequest as e:
                 posts.append((rid, e))
         elif kind == "abort":

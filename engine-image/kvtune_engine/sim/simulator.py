@@ -5,10 +5,7 @@ keys are documented in README.md ("kvtune sim output"). Deterministic: the same 
 same summary.
 
 Arrival: a request's latencies (queue time, TTFT, e2e) start at its trace arrival, what its client
-sees. `simulate(..., stamp_at_step=True)` starts them instead when the engine takes the request in
--- the end of the step during which it came (or its arrival when the engine was idle) -- which is
-when our engine's loop stamps `arrival_s` today (`LLMEngine.add_request` runs between steps), so
-that the figures compare with the engine's own queue-time and TTFT histograms (bench/sim_fidelity.py).
+sees; the engine's server stamps them the same way (when the HTTP request arrives).
 
 Synthetic token ids: a request of prefix group g gets the group's shared tokens for its first
 `prefix_tokens` positions and tokens unique to the request after that, so the prefix cache sees
@@ -115,12 +112,11 @@ class _Acc:
 
 
 def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
-             slo: SLO | None = None, *, per_request: bool = False, stamp_at_step: bool = False) -> dict:
+             slo: SLO | None = None, *, per_request: bool = False) -> dict:
     """Replay `trace` under `config` on `profile`; the summary dict of `kvtune sim --json`.
 
     `per_request`: also a `per_request` list (finish order) of each started request's `queue_s`,
-    `ttft_s`, `e2e_s`, `output_tokens` (bench/sim_fidelity.py buckets them as the engine would).
-    `stamp_at_step`: latencies from when the engine takes a request in (see the module docstring)."""
+    `ttft_s`, `e2e_s`, `output_tokens` (bench/sim_fidelity.py buckets them as the engine would)."""
     if not trace:
         raise ValueError("empty trace")
     size = profile.kv_cache_size(config)
@@ -144,7 +140,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
             j = order[i]
             r = trace[j]
             req = Request(tokens.prompt(j, r), SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
-                          arrival_s=now if stamp_at_step else r.arrival_s, request_id=f"r{j}",
+                          arrival_s=r.arrival_s, request_id=f"r{j}",
                           prefix_group=r.prefix_group)
             try:
                 sched.add_request(req)
