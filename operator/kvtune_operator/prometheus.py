@@ -9,7 +9,7 @@ replays. The scrape addresses found on the way are the engines whose trace the t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from .tuner.observation import MetricFigures
 
@@ -53,18 +53,20 @@ def _new_series_after(series: list[dict[str, Any]], window_s: float | None) -> f
     return end - window_s + 2 * gaps[len(gaps) // 2]
 
 
-def window_figures(series: list[dict[str, Any]], window_s: float | None = None) -> tuple[MetricFigures, list[str]]:
+def window_figures(series: list[dict[str, Any]], window_s: float | None = None,
+                   new_instances: Iterable[str] = ()) -> tuple[MetricFigures, list[str]]:
     """Raw range-query results -> per-replica-averaged window figures, and the replicas' addresses.
 
-    With ``window_s`` (the range of the query), a counter series whose first sample comes more than two
-    scrape intervals after the window's start began inside the window: a process that started then (a
-    restart change rolled the pods, a new replica), whose counters started from zero. Its first sample
-    is then part of the increase (the requests it served before Prometheus first scraped it), as
-    Prometheus' own increase() extrapolates such a series to zero."""
+    The counters of a process that started inside the window (a restart change rolled the pods, a new
+    replica) started from zero there: its first sample is part of the increase (the requests it served
+    before Prometheus first scraped it). Such are the series of ``new_instances`` (engines known to
+    have started inside the window) and, with ``window_s`` (the range of the query), any counter
+    series whose first sample comes more than two scrape intervals after the window's start."""
     sums: dict[tuple, list[float]] = {}
     maxima: dict[tuple, list[float]] = {}
     instances: set[str] = set()
     new_after = _new_series_after(series, window_s)
+    new_instances = set(new_instances)
     for s in series:
         labels = dict(s["metric"])
         name = labels.pop("__name__")
@@ -75,7 +77,8 @@ def window_figures(series: list[dict[str, Any]], window_s: float | None = None) 
             continue
         key = MetricFigures.key(name, **{k: v for k, v in labels.items() if k not in PER_REPLICA_LABELS})
         if name.endswith(COUNTER_SUFFIXES):
-            if new_after is not None and float(s["values"][0][0]) > new_after:
+            if labels.get("instance") in new_instances or (
+                    new_after is not None and float(s["values"][0][0]) > new_after):
                 values = [0.0, *values]  # began inside the window: counted from zero
             sums.setdefault(key, []).append(_increase(values))
         else:
@@ -86,8 +89,10 @@ def window_figures(series: list[dict[str, Any]], window_s: float | None = None) 
     return MetricFigures(mean, peak), sorted(instances)
 
 
-def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout_s: float = 10.0) -> Window:
-    """Raises MetricsUnavailable (with a reason for the condition) when Prometheus or the series are missing."""
+def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout_s: float = 10.0,
+                new_instances: Iterable[str] = ()) -> Window:
+    """Raises MetricsUnavailable (with a reason for the condition) when Prometheus or the series are
+    missing. ``new_instances``: engines (host:port) that started inside the window."""
     from prometheus_api_client import PrometheusConnect
 
     selector = f'{{__name__=~"kvtune_.+",namespace="{namespace}",inference_deployment="{name}"}}'
@@ -100,7 +105,7 @@ def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout
         raise MetricsUnavailable(
             "NoSeries", f"Prometheus at {url} has no kvtune_* series for {namespace}/{name} in the last "
             f"{int(window_s)}s: is the engine scraped (PodMonitor) and running?")
-    figures, instances = window_figures(series, max(1, int(window_s)))
+    figures, instances = window_figures(series, max(1, int(window_s)), new_instances)
     if figures.get("kvtune_steps_total") is None:
         raise MetricsUnavailable("IncompleteSeries", f"the series of {namespace}/{name} lack kvtune_steps_total")
     return Window(figures, instances, window_s)

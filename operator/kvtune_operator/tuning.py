@@ -104,7 +104,8 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
                     # window before its start is another engine (the old pod, under the old knobs,
                     # then none while the new one loaded), not the config this one runs.
                     window = uptime
-                    w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s)
+                    w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s,
+                                    new_instances=[inst])
                 since = max(0.0, uptime - window)
                 trace = http.get(f"{url}/kvtune/v1/trace", params={"since_s": since, "limit": 5000}) \
                     .raise_for_status().json().get("requests", [])

@@ -330,8 +330,8 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
     # the stand-in device: 10% of it holds the weights and LOW_BLOCKS KV blocks (and half a block)
     device = (weights_bytes(model) + LOW_BLOCKS * BLOCK_BYTES + BLOCK_BYTES // 2) / 0.1 / 2**30
     controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd(
-        name, model, engine={"maxNumSeqs": 48, "gpuMemoryUtilization": 0.1},
-        bounds={"maxNumSeqs": {"min": 8, "max": 64}, "gpuMemoryUtilization": {"min": 0.1, "max": 0.3}},
+        name, model, engine={"maxNumSeqs": 96, "gpuMemoryUtilization": 0.1},
+        bounds={"maxNumSeqs": {"min": 8, "max": 128}, "gpuMemoryUtilization": {"min": 0.1, "max": 0.3}},
         extra_args=["--device-memory", f"{device:.9f}"]))
     local = start_engine(controlplane, pod_node, ns, name)
     log(f"lowmem: engine listening after {time.monotonic() - t0:.0f}s")
