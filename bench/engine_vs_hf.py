@@ -33,6 +33,14 @@ import tempfile
 import time
 from pathlib import Path
 
+# OpenMP threads that spin at barriers (libgomp's default) wreck a shared machine: with other work
+# on the cores, a spinning thread holds a core its partner needs, and every parallel op waits out a
+# time slice. Measured on the 2-core dev box at load ~5 (256-decode step, 2 threads): 4.7-8.7 s with
+# the default spin, 0.57-0.94 s with GOMP_SPINCOUNT=0. Set before torch loads (this process hosts
+# every contender, so all get the same setting); --omp-spin keeps libgomp's default.
+if "--omp-spin" not in sys.argv:
+    os.environ.setdefault("GOMP_SPINCOUNT", "0")
+
 TRANSFORMERS_VERSION = "5.24.0"
 MODEL = dict(arch="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, intermediate=1536)
 
@@ -207,6 +215,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1, help="run each contender N times, keep the best")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--any-transformers", action="store_true")
+    ap.add_argument("--omp-spin", action="store_true",
+                    help="keep libgomp's spinning barriers (default here: GOMP_SPINCOUNT=0, for every contender)")
     ap.add_argument("--json", action="store_true", help="also print one JSON object with every figure")
     a = ap.parse_args()
 
@@ -230,7 +240,8 @@ def main() -> int:
     reqs = workload(a.requests, a.seed, MODEL["vocab"])
     n_hf = min(a.hf_requests or a.requests, a.requests)
 
-    print(f"machine: {a.threads} threads, torch fp32 on CPU; transformers {transformers.__version__}", flush=True)
+    print(f"machine: {a.threads} threads, torch fp32 on CPU; transformers {transformers.__version__}; "
+          f"GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT', 'default')}; load average {os.getloadavg()}", flush=True)
     peak = matmul_peak_flops(a.threads)
     roof = peak / (2 * params)
     print(f"matmul peak: {peak / 1e9:.1f} GFLOP/s -> roofline {roof:,.0f} output tokens/s "
@@ -277,6 +288,8 @@ def main() -> int:
           f"{k['roofline_fraction_output']:.1%} counting output tokens only; "
           f"{k['roofline_fraction_compute']:.1%} of the matmul peak counting every computed token "
           f"(prompt + output)  (goal >= 40%)")
+    res["load_average_end"] = os.getloadavg()
+    print(f"load average at the end: {res['load_average_end']}")
     if a.json:
         print(json.dumps(res, indent=2, default=str))
     if tmp is not None:

@@ -43,6 +43,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
+def _residual_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """h + x @ w.T (+ b): in float32 without bias the residual add is folded into the GEMM (beta = 1);
+    in 16-bit types transformers rounds the product before the add, so it stays separate there."""
+    if b is None and h.dtype == torch.float32:
+        return torch.addmm(h, x, w.t())
+    return h + F.linear(x, w, b)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor | None]):
         super().__init__()
@@ -68,19 +76,20 @@ class DecoderLayer(nn.Module):
         t = h.shape[0]
         qkv = F.linear(self.input_norm(h), self.qkv_w, self.qkv_b)
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(t, c.num_heads, c.head_dim)
-        k = k.view(t, c.num_kv_heads, c.head_dim)
         v = v.view(t, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = apply_rope(self.q_norm(q.view(t, c.num_heads, c.head_dim)), cos, sin)
+            k = apply_rope(self.k_norm(k.view(t, c.num_kv_heads, c.head_dim)), cos, sin)
+        else:  # one RoPE over the q and k heads together (half the elementwise ops)
+            qk = apply_rope(qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
         kc, vc = kv_cache if kv_cache is not None else (None, None)
         if kc is not None and meta.slot_mapping is not None:
             write_kv(kc, vc, k, v, meta)
         o = paged_attention(q, k, v, kc, vc, meta, self.scale, decode_fn)
-        h = h + F.linear(o.view(t, c.q_size), self.o_w, self.o_b)
+        h = _residual_linear(h, o.view(t, c.q_size), self.o_w, self.o_b)
         gate, up = F.linear(self.post_norm(h), self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.down_w, self.down_b)
+        return _residual_linear(h, F.silu(gate).mul_(up), self.down_w, self.down_b)
 
 
 class CausalLM(nn.Module):
