@@ -153,6 +153,15 @@ def _figures(f: dict[str, float] | None) -> dict[str, Any] | None:
     return out or None
 
 
+def _predicted(f: dict[str, float] | None) -> dict[str, Any] | None:
+    """A prediction's figures; None for a decision that had none (a kvtune.io/try candidate is not
+    simulated: its pending figures are all zero)."""
+    out = _figures(f)
+    if not out or not (out.get("goodputRequestsPerSecond") or out.get("throughputTokensPerSecond")):
+        return None
+    return out
+
+
 def _replacing(old: Any, new: Any) -> Any:
     """``new`` as a JSON merge patch that replaces ``old``: keys of ``old`` that ``new`` lacks become
     None (deleted), at every depth. The status is written by merge patch, which merges nested objects:
@@ -233,7 +242,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         record({"time": ts, "action": action, "cause": rnd.diagnosis.cause, "message": v.reason,
                 "restart": bool(RESTART_KNOBS & undo.keys()),
                 "before": _camel({k: getattr(current, k) for k in undo}) or None, "after": _camel(undo) or None,
-                "predicted": _figures(v.predicted), "measured": _figures(v.measured)},
+                "predicted": _predicted(v.predicted), "measured": _figures(v.measured)},
                "Normal" if v.keep else "Warning")
         target, phase, message = rnd.config, ("Settled" if v.keep else "RolledBack"), v.reason
     d = rnd.decision
@@ -244,7 +253,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
             record({"time": ts, "action": "Apply" if apply else "Recommend", "cause": rnd.diagnosis.cause,
                     "message": f"{rnd.diagnosis.message} {d.reason}".strip(), "restart": d.restart,
                     "before": _camel({k: getattr(d.current, k) for k in d.changes}), "after": _camel(d.changes),
-                    "predicted": _figures(window_figures(d.predicted or {}))}, "Normal")
+                    "predicted": _predicted(window_figures(d.predicted) if d.predicted else None)}, "Normal")
         if apply:
             target, phase = d.config, "Verifying"
             message = f"applied {_camel(d.changes)}; verifying over the next window"

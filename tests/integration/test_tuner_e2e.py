@@ -11,11 +11,19 @@ after the other (one engine at a time on a 2-core machine):
   bad candidate, forced with the ``kvtune.io/try`` annotation (maxNumSeqs 1), is applied, measured
   worse over the next window and rolled back (a Warning event), status.engine back where it was.
 * ``lowmem``: gpuMemoryUtilization 0.1 on a CPU standing in for a small device (``--device-memory``)
-  leaves 40 KV blocks; under load, requests preempt each other. The operator diagnoses too little
+  leaves 24 KV blocks; under load, requests preempt each other. The operator diagnoses too little
   KV memory and raises gpuMemoryUtilization: a restart knob, so the Deployment rolls a new
-  ReplicaSet and the new engine runs with more blocks.
+  ReplicaSet and the new engine runs with ~80 times the blocks; the change is verified on the new
+  engine's own window and kept.
 
-Status, the printer columns (`kubectl get infd`) and `kubectl describe` tell the story each time.
+Status, the printer columns (`kubectl get infd -o wide`) and `kubectl describe` tell the story each
+time. Not the READY/REPLICAS columns: the harness' kwok renews no node leases, so about 50 s into a
+session the node controller marks every pod not ready.
+
+In the harness the new pod of a rollout is Ready at once (kwok) and the old one is stopped before
+the new engine has loaded: the requests of those seconds reach the new engine together when it
+listens (the load retries, as clients of a Service would). maxNumSeqs 96 lets that backlog in at
+once, so the window that verifies the restart judges the new memory size, not the harness' gap.
 
 The model is a tiny random Llama whose weights are most of the small device's memory (a 120k-token
 vocabulary), so a low gpuMemoryUtilization leaves only a few KV blocks while each step stays cheap
@@ -131,7 +139,8 @@ def wait_for(controlplane, ns: str, name: str, pred, timeout: float, what: str, 
         st = obj.get("status") or {}
         raise AssertionError(
             f"{name}: timed out after {timeout}s waiting for {what}\n"
-            f"diagnosis: {json.dumps(st.get('diagnosis'), indent=1)}\ntuning: {json.dumps(st.get('tuning'), indent=1)}\n"
+            f"diagnosis: {json.dumps(st.get('diagnosis'), indent=1)}\n"
+            f"tuning: {json.dumps(st.get('tuning'), indent=1)}\n"
             f"conditions: {json.dumps(st.get('conditions'), indent=1)}\noperator log:\n{operator.tail(40)}") from None
 
 
@@ -166,7 +175,7 @@ def engine_state(url: str) -> dict:
 
 def start_engine(controlplane, pod_node, ns: str, name: str, timeout: float = 180):
     """Wait for the one engine process of `name` to listen; returns its LocalPod."""
-    labels = {"kvtune.io/inference-deployment": name}
+    labels = {LABEL: name}
 
     def started():
         pods = [p for p in pod_node.pods.values() if p.namespace == ns and p.labels.get(LABEL) == name]
@@ -182,7 +191,7 @@ def start_engine(controlplane, pod_node, ns: str, name: str, timeout: float = 18
 
 def url_of(pod_node, ns: str, name: str):
     """What a client of the Service reaches: the first live engine process of `name`."""
-    labels = {"kvtune.io/inference-deployment": name}
+    labels = {LABEL: name}
     return lambda: next(iter(pod_node.urls_for_selector(ns, labels)), None)
 
 
@@ -195,7 +204,7 @@ def tuning_events(controlplane, ns: str, name: str) -> list[tuple[str, str, str]
 def delete_and_wait(controlplane, pod_node, ns: str, name: str) -> None:
     controlplane.kubectl("delete", "infd", name, "-n", ns, "--wait=true", "--timeout=60s")
     eventually(lambda: not [p for p in pod_node.pods.values() if p.namespace == ns
-                            and p.labels.get("kvtune.io/inference-deployment") == name],
+                            and p.labels.get(LABEL) == name],
                timeout=60, what=f"the {name} engine processes to stop")
 
 
@@ -259,7 +268,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         dep = get(controlplane, "deployment", name, ns)
         assert dep["metadata"]["generation"] == gen and dep["spec"]["template"] == template
         assert replica_sets(controlplane, ns, name) == rs_before
-        assert [p.name for p in pod_node.pods_for_selector(ns, {"kvtune.io/inference-deployment": name})] == [pod_name]
+        assert [p.name for p in pod_node.pods_for_selector(ns, {LABEL: name})] == [pod_name]
         assert pod_node.get(ns, pod_name) is local and local.alive()  # the same process all along
 
         row, shown = table_row(controlplane, ns, name)
@@ -269,7 +278,6 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         assert row["MAXSEQS"] == str(shown["status"]["engine"]["maxNumSeqs"]) and row["MODE"] == "Apply"
 
         # 3. a deliberately bad candidate, forced: applied, measured worse, rolled back
-        good = get(controlplane, "infd", name, ns)["status"]["engine"]["maxNumSeqs"]
         controlplane.kubectl("annotate", "infd", name, "-n", ns, 'kvtune.io/try={"maxNumSeqs": 1}')
         obj = wait_for(controlplane, ns, name, lambda o: any(
             h["action"] == "Apply" and "kvtune.io/try" in h["message"] for h in history(o)),
@@ -277,7 +285,8 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         trial = next(h for h in history(obj) if h["action"] == "Apply" and "kvtune.io/try" in h["message"])
         log(f"seqcap: trial applied after {time.monotonic() - t0:.0f}s: {trial}")
         before_trial = trial["before"]["maxNumSeqs"]
-        assert trial["after"] == {"maxNumSeqs": 1} and before_trial >= good and trial["restart"] is False
+        assert trial["after"] == {"maxNumSeqs": 1} and before_trial > 1 and trial["restart"] is False
+        assert "predicted" not in trial  # a forced candidate is not simulated
         assert obj["status"]["engine"]["maxNumSeqs"] == 1
         eventually(lambda: engine_state(local.url)["config"]["max_num_seqs"] == 1, timeout=60,
                    what="the engine to run the forced candidate")
@@ -296,7 +305,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         assert verdict["action"] == "RollBack", verdict
         assert "fell" in verdict["message"] and "rolled back" in verdict["message"], verdict["message"]
         assert verdict["before"] == {"maxNumSeqs": 1} and verdict["after"] == {"maxNumSeqs": before_trial}
-        assert verdict["restart"] is False
+        assert verdict["restart"] is False and "predicted" not in verdict
         st = obj["status"]
         assert st["engine"]["maxNumSeqs"] == before_trial  # back to the value before the candidate
         if h[-1] is verdict:  # (a later round may have moved on already)
@@ -373,7 +382,7 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
                    what="a new ReplicaSet")
 
         def new_engine():
-            pods = [p for p in pod_node.pods_for_selector(ns, {"kvtune.io/inference-deployment": name})
+            pods = [p for p in pod_node.pods_for_selector(ns, {LABEL: name})
                     if p.name != pod_name]
             if not pods:
                 return None
