@@ -202,7 +202,13 @@ def tuning_events(controlplane, ns: str, name: str) -> list[tuple[str, str, str]
 
 
 def delete_and_wait(controlplane, pod_node, ns: str, name: str) -> None:
-    controlplane.kubectl("delete", "infd", name, "-n", ns, "--wait=true", "--timeout=60s")
+    """Delete the InferenceDeployment and stop its engine now, for the next test's CPU. The resource
+    itself may take a minute to go: kopf removes its finalizer only once the timers stopped, and it
+    polls a timer that was running at the deletion every settings.background.cancellation_polling
+    (60 s by default); its Deployment is deleted here directly (the operator no longer reconciles a
+    resource that is being deleted)."""
+    controlplane.kubectl("delete", "infd", name, "-n", ns, "--wait=false")
+    controlplane.kubectl("delete", "deployment", name, "-n", ns, "--wait=false", check=False)
     eventually(lambda: not [p for p in pod_node.pods.values() if p.namespace == ns
                             and p.labels.get(LABEL) == name],
                timeout=60, what=f"the {name} engine processes to stop")
