@@ -64,6 +64,9 @@ def build_registry(settings: Settings, reconciler: Reconciler) -> kopf.OperatorR
         # Our own Events tell the story; kopf adds only its warnings and errors.
         settings.posting.level = logging.WARNING
         settings.networking.request_timeout = 60
+        # a timer running when its object is deleted is checked again this often (kopf's default,
+        # 60 s, holds `kubectl delete infd` that long)
+        settings.background.cancellation_polling = 1
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
 

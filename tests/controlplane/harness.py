@@ -380,6 +380,9 @@ class ControlPlane:
             str(BIN_DIR / "kwok"), f"--kubeconfig={self.kubeconfig}", f"--config={stages}",
             f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION[0]}={KWOK_NODE_ANNOTATION[1]}",
             "--cidr=10.244.0.0/16", "--node-ip=10.0.0.1",
+            # renew node leases (the heartbeat-with-lease stage), or the node controller marks the
+            # nodes, and every pod on them, NotReady ~50 s into a session
+            "--node-lease-duration-seconds=40",
             f"--server-address=127.0.0.1:{p['kwok-server']}",
         ])
 

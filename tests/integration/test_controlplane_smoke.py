@@ -298,3 +298,24 @@ def _check_pod_node(controlplane, prometheus, pod_node, namespace, labels):
         httpx.get(url + "/metrics", timeout=2)
     _eventually(lambda: not [t for t in prometheus.active_targets()
                              if t["labels"].get("namespace") == namespace], timeout=30, what="target removed")
+
+
+def test_kwok_renews_node_leases_so_nodes_stay_ready(controlplane):
+    """Without lease renewal the node controller marks every fake node (and its pods) NotReady
+    about 50 s into a session; kwok must keep renewing the nodes' leases."""
+    import datetime as dt
+    import time
+
+    def renewals() -> dict[str, str]:
+        leases = controlplane.kubectl_json("get", "lease", "-n", "kube-node-lease")["items"]
+        return {x["metadata"]["name"]: x["spec"].get("renewTime") for x in leases}
+
+    first = renewals()
+    assert set(controlplane.nodes) <= set(first), f"no lease for some nodes: {first}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(renewals()[n] == first[n] for n in controlplane.nodes):
+        time.sleep(1)
+    again = renewals()
+    assert all(again[n] != first[n] for n in controlplane.nodes), f"leases not renewed in 30 s: {again}"
+    newest = max(dt.datetime.fromisoformat(again[n].replace("Z", "+00:00")) for n in controlplane.nodes)
+    assert (dt.datetime.now(dt.timezone.utc) - newest).total_seconds() < 30
