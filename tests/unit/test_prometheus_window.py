@@ -36,3 +36,28 @@ def test_histogram_buckets_keep_le_and_give_quantiles():
     ])
     assert 0.9 < figs.hist_quantile("kvtune_request_queue_time_seconds", 0.5) <= 1.0
     assert figs.hist_quantile("kvtune_request_queue_time_seconds", 0.99) > 1.9
+
+
+def test_an_engine_that_started_inside_the_window_counts_from_zero():
+    # 20 s window scraped every second; the new engine's first scrape, 12 s in, already shows 30 steps
+    def s(values, start, pod):
+        d = _series("kvtune_steps_total", values, pod=pod)
+        d["values"] = [[start + i, str(v)] for i, v in enumerate(values)]
+        return d
+    old = s([100] * 20, 0, "p0")
+    new = s([30, 40, 50], 17, "p1")
+    figs, _ = window_figures([old, new], window_s=20)
+    assert figs.get("kvtune_steps_total") == (0 + 50) / 2        # 50 steps: from zero, not from 30
+    figs, _ = window_figures([new], new_instances=["127.0.0.1:801"])
+    assert figs.get("kvtune_steps_total") == 50.0
+    figs, _ = window_figures([s([30, 40, 50], 0, "p1")], window_s=3)  # there all along: only the increase
+    assert figs.get("kvtune_steps_total") == 20.0
+
+
+def test_status_patch_replaces_nested_objects_it_rewrites():
+    from kvtune_operator.tuning import _replacing
+
+    old = {"action": "Apply", "before": {"maxNumSeqs": 2}, "after": {"maxNumSeqs": 64}, "restart": False}
+    new = {"action": "RollBack", "message": "fell 40%"}
+    assert _replacing(old, new) == {"action": "RollBack", "message": "fell 40%", "before": None,
+                                    "after": None, "restart": None}
