@@ -1,6 +1,6 @@
 """`kvtune demo` end to end (short windows): the real engine on CPU, mis-tuned twice; the tuner must
 fix the sequence cap with a live change and the low KV memory with a restart change, and the
-figures after must show it. Takes about a minute."""
+figures after must show it. Takes about 1.5 minutes (the default windows)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 def test_demo_fixes_the_sequence_cap_live_then_low_memory_by_a_restart(tmp_path):
     out = tmp_path / "demo"
     res = subprocess.run([sys.executable, "-c", "from kvtune_operator.cli import main; main()", "demo",
-                          "--out", str(out), "--window", "8"], capture_output=True, text=True, timeout=400)
+                          "--out", str(out)], capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "Before and after" in res.stdout and (out / "report.png").stat().st_size > 20_000
     data = json.loads((out / "demo.json").read_text())

@@ -54,6 +54,10 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
           api_key: str | None, config_file: str | None, max_waiting: int | None, log_level: str,
           **flags: Any) -> None:
     """Serve a model: OpenAI-compatible API, /metrics, and the admin API under /kvtune/v1/."""
+    # OpenMP threads that spin at barriers hold the cores their partners need whenever anything else
+    # runs (other pods, the server's own threads): small ops then wait out whole time slices. Must be
+    # set before torch loads (it is imported lazily, below).
+    os.environ.setdefault("GOMP_SPINCOUNT", "0")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvtune.serve")
     port = _port(port)

@@ -44,7 +44,7 @@ PHASES = [
     Phase("Sequence cap", "max_num_seqs 2 while the KV cache is almost empty",
           {"max_num_seqs": 2, "gpu_memory_utilization": 0.9, "max_model_len": 1024,
            "max_num_batched_tokens": 1024, "swap_space": 0.0},
-          dict(rate=15.0, prompt_mean=64, output_mean=48)),
+          dict(rate=18.0, prompt_mean=64, output_mean=48)),
     Phase("Low KV memory", "gpu_memory_utilization 0.09 leaves ~50 KV blocks: preemptions under load",
           {"max_num_seqs": 32, "gpu_memory_utilization": 0.09, "max_model_len": 1024,
            "max_num_batched_tokens": 1024, "swap_space": 0.0},
