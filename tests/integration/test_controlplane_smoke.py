@@ -6,28 +6,17 @@ from __future__ import annotations
 
 import json
 import textwrap
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 
+from .waiting import eventually
+
 pytestmark = pytest.mark.integration
 
 
-def _eventually(fn, timeout: float = 30, interval: float = 0.2, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-            if last:
-                return last
-        except Exception as e:  # noqa: BLE001 - retried until the deadline
-            last = e
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 CRD = {
@@ -76,7 +65,8 @@ def test_crd_schema_and_cel_rejection(controlplane, namespace):
     kc("wait", "--for=condition=Established", "crd/widgets.smoke.kvtune.io", "--timeout=30s")
 
     # A valid object is accepted, defaults applied by the server, printer column shown.
-    _eventually(lambda: kc("apply", "-n", namespace, "-f", "-", input=_widget("ok", 2)), what="CRD served")
+    eventually(lambda: kc("apply", "-n", namespace, "-f", "-", input=_widget("ok", 2)), timeout=30,
+                what="CRD served")
     obj = controlplane.kubectl_json("get", "widget", "ok", "-n", namespace)
     assert obj["spec"] == {"replicas": 2, "maxReplicas": 4}
     table = kc("get", "widgets", "-n", namespace).stdout
@@ -123,7 +113,7 @@ def test_deployment_rolls_pods_on_kwok_gpu_nodes_and_gc(controlplane, namespace)
                    and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))]
         return running if len(running) == 2 else None
 
-    pods = _eventually(running_pods, timeout=60, what="2 Running pods")
+    pods = eventually(running_pods, timeout=60, what="2 Running pods")
     for p in pods:
         assert p["spec"]["nodeName"] in controlplane.nodes  # scheduled onto a kwok GPU node
         owner = p["metadata"]["ownerReferences"][0]
@@ -140,7 +130,7 @@ def test_deployment_rolls_pods_on_kwok_gpu_nodes_and_gc(controlplane, namespace)
         pods = controlplane.kubectl_json("get", "pods", "-n", namespace)["items"]
         return not rs and not pods
 
-    _eventually(all_gone, timeout=60, what="ReplicaSet and pods garbage-collected")
+    eventually(all_gone, timeout=60, what="ReplicaSet and pods garbage-collected")
 
 
 def test_helm_install_trivial_chart(controlplane, namespace, tmp_path: Path):
@@ -217,7 +207,6 @@ def _metrics_cm(namespace: str, value: int) -> str:
 
 
 def test_pod_node_runs_pod_and_prometheus_scrapes_it(controlplane, prometheus, pod_node, namespace):
-    from prometheus_api_client import PrometheusConnect
 
     kc = controlplane.kubectl
     kc("apply", "-f", "-", input=_metrics_cm(namespace, 42))
@@ -281,22 +270,22 @@ def _check_pod_node(controlplane, prometheus, pod_node, namespace, labels):
         res = prom.custom_query(query)
         return res[0] if res else None
 
-    sample = _eventually(value, timeout=30, what="Prometheus to scrape the pod")
+    sample = eventually(value, timeout=30, what="Prometheus to scrape the pod")
     assert sample["value"][1] == "42"
     assert sample["metric"]["pod"] == lp.name
     assert sample["metric"]["job"] == "kvtune-engine"
 
     # The ConfigMap is kept in sync in the local copy; Prometheus sees the new value.
     kc("apply", "-f", "-", input=_metrics_cm(namespace, 43))
-    _eventually(lambda: (value() or {}).get("value", [0, ""])[1] == "43", timeout=30, what="updated metric")
+    eventually(lambda: (value() or {}).get("value", [0, ""])[1] == "43", timeout=30, what="updated metric")
 
     # Pod deleted (owner deleted) -> process stopped and target withdrawn.
     kc("delete", "deployment", "smoke-id-engine", "-n", namespace, "--wait=false")
-    _eventually(lambda: pod_node.get(namespace, lp.name) is None, timeout=60, what="local process stopped")
+    eventually(lambda: pod_node.get(namespace, lp.name) is None, timeout=60, what="local process stopped")
     assert lp.returncode is not None
     with pytest.raises(httpx.TransportError):
         httpx.get(url + "/metrics", timeout=2)
-    _eventually(lambda: not [t for t in prometheus.active_targets()
+    eventually(lambda: not [t for t in prometheus.active_targets()
                              if t["labels"].get("namespace") == namespace], timeout=30, what="target removed")
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from .waiting import eventually
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,18 +32,6 @@ CRD_NAME = "inferencedeployments.kvtune.io"
 SELECTOR = "app.kubernetes.io/instance={},app.kubernetes.io/name=kvtune-engine"
 
 
-def eventually(fn, timeout: float = 60, interval: float = 0.25, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last: object = None
-    while time.monotonic() < deadline:
-        try:
-            last = fn()
-            if last:
-                return last
-        except Exception as e:  # noqa: BLE001 - retried until the deadline
-            last = e
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
 def free_port() -> int:
