@@ -207,7 +207,6 @@ def _metrics_cm(namespace: str, value: int) -> str:
 
 
 def test_pod_node_runs_pod_and_prometheus_scrapes_it(controlplane, prometheus, pod_node, namespace):
-
     kc = controlplane.kubectl
     kc("apply", "-f", "-", input=_metrics_cm(namespace, 42))
     labels = {"app.kubernetes.io/name": "kvtune-engine", "kvtune.io/inference-deployment": "smoke-id"}
