@@ -13,6 +13,7 @@ from a profile.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..config import ConfigError
@@ -56,18 +57,62 @@ def kv_cache_size(*, device_total_bytes: int, gpu_memory_utilization: float, wei
     block_bytes = block_size * kv_bytes_per_token
     if kv_cache_memory_gib is not None:
         budget = int(kv_cache_memory_gib * GIB)
-        how = f"kv_cache_memory {kv_cache_memory_gib} GiB"
     else:
         budget = int(device_total_bytes * gpu_memory_utilization) - weights_bytes - activation_peak_bytes
-        how = (f"{gpu_memory_utilization} x {device_total_bytes / GIB:.2f} GiB device memory "
-               f"- {weights_bytes / GIB:.2f} GiB weights - {activation_peak_bytes / GIB:.2f} GiB peak activations "
-               f"= {budget / GIB:.2f} GiB")
     n = max(budget, 0) // block_bytes
     if n < 1:
-        raise ConfigError(
-            f"no room for the KV cache: {how}, less than one block of {block_bytes} bytes "
-            f"(block_size {block_size} x {kv_bytes_per_token} bytes/token); raise gpu_memory_utilization "
-            "or lower max_num_batched_tokens")
+        raise ConfigError(_no_block_message(
+            device_total_bytes=device_total_bytes, gpu_memory_utilization=gpu_memory_utilization,
+            weights_bytes=weights_bytes, activation_peak_bytes=activation_peak_bytes, block_size=block_size,
+            kv_bytes_per_token=kv_bytes_per_token, kv_cache_memory_gib=kv_cache_memory_gib))
     ns = num_swap_blocks(swap_space_gib, block_size, kv_bytes_per_token)
     return KVCacheSize(num_blocks=n, num_swap_blocks=ns, block_bytes=block_bytes,
                        kv_cache_bytes=n * block_bytes, swap_bytes=ns * block_bytes, budget_bytes=budget)
+
+
+def format_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, one decimal)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _no_block_message(*, device_total_bytes: int, gpu_memory_utilization: float, weights_bytes: int,
+                      activation_peak_bytes: int, block_size: int, kv_bytes_per_token: int,
+                      kv_cache_memory_gib: float | None) -> str:
+    """One line for an engine that cannot start: the flag, the figures, and the least value that
+    fits (an operator's termination message and a user's first clue)."""
+    block_bytes = block_size * kv_bytes_per_token
+    block = (f"one {format_bytes(block_bytes)} block (--block-size {block_size} x "
+             f"{format_bytes(kv_bytes_per_token)} per token)")
+    if kv_cache_memory_gib is not None:
+        least = math.ceil(block_bytes / GIB * 1e6) / 1e6
+        while int(least * GIB) < block_bytes:
+            least += 1e-6
+        return (f"no room for the KV cache: --kv-cache-memory {kv_cache_memory_gib:g} GiB "
+                f"({format_bytes(int(kv_cache_memory_gib * GIB))}) is less than {block}; "
+                f"raise --kv-cache-memory to at least {least:g}")
+    total, util = device_total_bytes, gpu_memory_utilization
+    allowed = int(total * util)
+    used = f"{format_bytes(weights_bytes)} of weights"
+    if activation_peak_bytes:
+        used += f" and {format_bytes(activation_peak_bytes)} of activations (--max-num-batched-tokens)"
+    if allowed < weights_bytes + activation_peak_bytes:
+        what = f"less than the {used}"
+    else:
+        what = f"after {used}, {format_bytes(allowed - weights_bytes - activation_peak_bytes)} are left"
+    head = (f"no room for the KV cache: --gpu-memory-utilization {util:g} allows "
+            f"{format_bytes(allowed)} of the {format_bytes(total)} device, {what}: not even {block} fits")
+    need = weights_bytes + activation_peak_bytes + block_bytes
+    least = math.ceil(need / total * 100) / 100 if total > 0 else math.inf
+    while least <= 1.0 and int(total * least) < need:
+        least = round(least + 0.01, 2)
+    if least > 1.0:
+        return (f"{head}; even --gpu-memory-utilization 1 would not fit: the device is too small for "
+                f"{format_bytes(need)} (a smaller model, a bigger device)")
+    fix = f"raise --gpu-memory-utilization to at least {least:g}"
+    if activation_peak_bytes:
+        fix += " or lower --max-num-batched-tokens"
+    return f"{head}; {fix}"

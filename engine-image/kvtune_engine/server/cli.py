@@ -12,6 +12,29 @@ from ..config import ConfigError, EngineConfig
 from ..flags import engine_options
 
 DEFAULT_PORT = 8000
+#: Where a kubelet looks first for a container's termination message (the default
+#: terminationMessagePath); written only where it exists, i.e. inside a pod.
+TERMINATION_LOG = "/dev/termination-log"
+
+
+class StartupError(click.ClickException):
+    """The engine cannot run with these flags: one line, ``kvtune serve: ...``, as the last line on
+    stderr and in the termination-message file, so that it becomes the pod's termination message
+    (with FallbackToLogsOnError the kubelet falls back to the log's last lines), exit status 1."""
+
+    def __init__(self, message: str):
+        super().__init__(" ".join(str(message).split()))  # one line, whatever the cause printed
+
+    def show(self, file: Any = None) -> None:
+        line = f"kvtune serve: {self.format_message()}"
+        if os.path.exists(TERMINATION_LOG):
+            try:
+                with open(TERMINATION_LOG, "w") as f:
+                    f.write(line + "\n")
+            except OSError:
+                pass
+        sys.stdout.flush()
+        click.echo(line, err=True)
 
 
 def _port(port: int | None) -> int:
@@ -97,10 +120,12 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     try:
         engine = LLMEngine.from_model_dir(model_dir, cfg, device=device, dtype=dtype,
                                           served_model_name=served_model_name, device_memory_gib=device_memory)
-    except (ConfigError, ValueError, FileNotFoundError, OSError) as e:
-        raise click.ClickException(f"cannot start the engine: {e}") from None
+    except ConfigError as e:  # the flags do not fit this model and device (sizing)
+        raise StartupError(str(e)) from None
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise StartupError(f"cannot start the engine: {e}") from None
     except RuntimeError as e:  # torch: no CUDA, out of memory, ...
-        raise click.ClickException(f"cannot start the engine on {device}: {e}") from None
+        raise StartupError(f"cannot start the engine on {device}: {e}") from None
 
     import uvicorn
 
@@ -116,7 +141,7 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
         uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                     timeout_graceful_shutdown=5)
     except OSError as e:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
+        raise StartupError(f"cannot listen on {host}:{port}: {e}") from None
 
 
 def main() -> None:  # python -m kvtune_engine.server.cli
