@@ -452,7 +452,7 @@ class Figures(CRDModel):
     goodput_requests_per_second: float | None = Field(None, ge=0, description="Requests per second meeting the objectives.")
     waiting_reason_shares: dict[str, float] | None = Field(
         None, description="Share of steps in which the waiting head was stopped, by reason "
-                          "(max_num_seqs, token_budget, kv_blocks, watermark, swap_space, none).")
+                          "(max_num_seqs, token_budget, kv_blocks, watermark).")
 
 
 class Diagnosis(CRDModel):
@@ -484,6 +484,34 @@ class TuningDecision(CRDModel):
 
 
 TUNING_HISTORY_LIMIT = 10
+#: rolled-back candidates kept in status (the oldest barred ones go first)
+REJECTED_LIMIT = 16
+
+WindowFigures = Annotated[dict[str, float], Field(
+    description="Window figures (snake_case names, e.g. goodput_share, output_tokens_per_s).")]
+
+
+class PendingChange(CRDModel):
+    """The change being verified: enough to give it its verdict after an operator restart."""
+
+    applied_at: Timestamp = Field(..., description="When the change was applied (its window starts here).")
+    source: Literal["Tuner", "Annotation"] = Field("Tuner", description="The tuner's choice, or kvtune.io/try.")
+    before: EngineKnobs = Field(..., description="Every knob before the change (what a rollback restores).")  # type: ignore[valid-type]
+    after: EngineKnobs = Field(..., description="Every knob after the change.")  # type: ignore[valid-type]
+    restart: bool = Field(False, description="Whether the change rolls the engine pods.")
+    restart_hash: str | None = Field(None, max_length=64,
+                                     description="The new pods' kvtune.io/restart-hash (restart changes).")
+    before_figures: WindowFigures = Field(default_factory=dict, description="Measured over the window before the change.")
+    predicted_figures: WindowFigures = Field(default_factory=dict, description="Predicted for the new knobs.")
+
+
+class RejectedCandidate(CRDModel):
+    """A candidate that was rolled back, barred from being tried again until `until`."""
+
+    knobs: EngineKnobs = Field(..., description="The candidate's tuned knobs.")  # type: ignore[valid-type]
+    at: Timestamp = Field(..., description="When it was rolled back.")
+    until: Timestamp = Field(..., description="Until when it is barred.")
+    reason: str = Field("", max_length=4096, description="Why it was rolled back.")
 
 
 class TuningStatus(CRDModel):
@@ -498,6 +526,12 @@ class TuningStatus(CRDModel):
     last_restart_time: Timestamp | None = Field(None, description="When a restart-requiring change was last applied.")
     history: list[TuningDecision] | None = Field(
         None, max_length=TUNING_HISTORY_LIMIT, description=f"The last {TUNING_HISTORY_LIMIT} decisions, oldest first.")
+    pending: PendingChange | None = Field(None, description="The change being verified, if any.")
+    rejected: list[RejectedCandidate] | None = Field(
+        None, max_length=REJECTED_LIMIT, description="Rolled-back candidates still barred, oldest first.")
+    restarts: int | None = Field(None, ge=0, description="Restart-requiring changes made so far (rollbacks included).")
+    tried_annotation: str | None = Field(
+        None, max_length=4096, description="The last kvtune.io/try value handled (it is tried once).")
 
 
 class InferenceDeploymentStatus(CRDModel):

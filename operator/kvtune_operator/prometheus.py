@@ -14,6 +14,11 @@ from typing import Any, Iterable
 from .tuner.observation import MetricFigures
 
 COUNTER_SUFFIXES = ("_total", "_count", "_sum", "_bucket")
+#: least share of the window that scrapes must cover before the tuner judges it (a Prometheus that
+#: was down, or an engine it could not reach, leaves gaps: a decision on the rest is a guess)
+MIN_COVERAGE = 0.75
+#: a gap between two scrapes longer than this many scrape intervals is missing data
+MAX_GAP_INTERVALS = 3.0
 PER_REPLICA_LABELS = ("pod", "instance", "job", "namespace", "inference_deployment", "container",
                       "endpoint", "service")
 
@@ -89,6 +94,30 @@ def window_figures(series: list[dict[str, Any]], window_s: float | None = None,
     return MetricFigures(mean, peak), sorted(instances)
 
 
+def coverage(series: list[dict[str, Any]], window_s: float, new_instances: Iterable[str] = (),
+             name: str = "kvtune_steps_total") -> float:
+    """Share of the window covered by scrapes of the best-covered replica's ``name`` series.
+
+    Each scrape covers the interval before it, up to ``MAX_GAP_INTERVALS`` scrape intervals (the
+    median gap): a longer gap covers one interval only. An engine that started inside the window
+    (``new_instances``) is judged on the time since its first scrape."""
+    new_instances, best = set(new_instances), 0.0
+    for s in series:
+        if s["metric"].get("__name__") != name:
+            continue
+        ts = sorted(float(t) for t, _ in s.get("values") or [])
+        gaps = [b - a for a, b in zip(ts, ts[1:]) if b > a]
+        if not gaps:
+            continue
+        g = sorted(gaps)[len(gaps) // 2]
+        covered = g + sum(d if d <= MAX_GAP_INTERVALS * g else g for d in gaps)
+        span = window_s
+        if s["metric"].get("instance") in new_instances:
+            span = min(window_s, ts[-1] - ts[0] + g)
+        best = max(best, min(1.0, covered / span) if span > 0 else 0.0)
+    return best
+
+
 def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout_s: float = 10.0,
                 new_instances: Iterable[str] = ()) -> Window:
     """Raises MetricsUnavailable (with a reason for the condition) when Prometheus or the series are
@@ -108,4 +137,10 @@ def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout
     figures, instances = window_figures(series, max(1, int(window_s)), new_instances)
     if figures.get("kvtune_steps_total") is None:
         raise MetricsUnavailable("IncompleteSeries", f"the series of {namespace}/{name} lack kvtune_steps_total")
+    share = coverage(series, max(1, int(window_s)), new_instances)
+    if share < MIN_COVERAGE:
+        raise MetricsUnavailable(
+            "IncompleteWindow", f"Prometheus scraped the engines of {namespace}/{name} for only {share:.0%} of the "
+            f"last {int(window_s)}s (at least {MIN_COVERAGE:.0%} is needed to judge a window): no decision and no "
+            "verdict on partial data; waiting for a fuller window")
     return Window(figures, instances, window_s)

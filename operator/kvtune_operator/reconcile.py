@@ -276,6 +276,9 @@ class Reconciler:
                 self.kube.patch_infd_status(namespace, name, status)
         except KubeError as e:
             outcome.retry = outcome.retry or f"status update failed: {e}"
+            # the tuner's decision is not recorded, so it did not happen: its events would be repeated
+            # when the next tick decides it again (after an apiserver outage, say)
+            outcome.events = [ev for ev in outcome.events if ev not in extra_events]
         for ev in outcome.events:
             self.kube.event(raw, ev.type, ev.reason, ev.message)
         return outcome

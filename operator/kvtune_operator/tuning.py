@@ -18,19 +18,23 @@ from typing import Any, Callable
 import httpx
 
 from kvtune_engine.config import RESTART_KNOBS
+from kvtune_engine.sim.profile import Profile
 
 from . import conditions as c
 from .effective import (AutotunePlan, Choices, Range, baseline_config, effective_engine, knob_bounds,
                         resolve_autotune, tuned_status)
-from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, InferenceDeploymentSpec,
-                    InferenceDeploymentStatus, parse_duration, to_camel_dict)
+from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, InferenceDeployment,
+                    InferenceDeploymentSpec, InferenceDeploymentStatus, parse_duration, to_camel_dict)
 from .prometheus import MetricsUnavailable, read_window
 from .reconcile import EventSpec
+from .render import selector_string
+from .rollout import rollout_failure
 from .tuner.candidates import Bounds
 from .tuner.candidates import Range as TRange
 from .tuner.decide import Decision, Objectives, knob_changes, window_figures
 from .tuner.loop import Round, Tuner, TunerSettings, measured_figures
 from .tuner.observation import WAITING_CAUSES, Observation
+from .tuning_state import state_from_status, state_status
 
 #: shortest window worth judging (after a change, the window only counts what ran under it)
 MIN_WINDOW_S = 10.0
@@ -133,7 +137,9 @@ def diagnosis_status(rnd: Round, window_s: float, now: float) -> dict[str, Any]:
         "internalFragmentationPercent": round(100 * o.internal_fragmentation_mean, 1),
         "swapUsagePercent": round(100 * o.swap_usage_peak, 1),
         "preemptionsPerMinute": round(60 * o.preemptions / window_s, 2) if window_s else 0.0,
-        "queueTimeP95Seconds": round(o.queue_time_p99_s, 3),
+        "queueTimeP95Seconds": round(o.queue_time_p95_s, 3),
+        "ttftP95Seconds": round(o.ttft_p95_s, 3),
+        "tpotP95Seconds": round(o.tpot_p95_s, 4),
         "throughputTokensPerSecond": round(o.output_tokens_per_s, 2),
         "goodputRequestsPerSecond": round(o.goodput_requests_per_s, 3),
         # every cause, also those the engine did not report (0): the map replaces the previous one
@@ -148,7 +154,7 @@ def diagnosis_status(rnd: Round, window_s: float, now: float) -> dict[str, Any]:
 
 def _figures(f: dict[str, float] | None) -> dict[str, Any] | None:
     keep = {"goodput_requests_per_s": "goodputRequestsPerSecond",
-            "output_tokens_per_s": "throughputTokensPerSecond", "queue_time_p99_s": "queueTimeP95Seconds"}
+            "output_tokens_per_s": "throughputTokensPerSecond", "queue_time_p95_s": "queueTimeP95Seconds"}
     out = {camel: round(float(f[k]), 3) for k, camel in keep.items() if f and f.get(k) is not None}
     return out or None
 
@@ -197,9 +203,22 @@ def parse_trial(annotations: dict[str, str] | None) -> dict[str, Any] | None:
                          f"({', '.join(sorted(KNOBS_BY_CAMEL))}): {e}") from None
 
 
+def _record(out: TickResult, tuning: dict[str, Any], history: list[dict[str, Any]], entry: dict[str, Any],
+            event_type: str) -> None:
+    """One decision: into the history, as tuning.lastChange, and as an Event."""
+    entry = {k: v for k, v in entry.items() if v is not None}
+    history.append(entry)
+    tuning["lastChange"] = entry
+    out.events.append(EventSpec(event_type, f"Tuning{entry['action']}", entry["message"]))
+
+
 def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None, plan: AutotunePlan,
-         tuner: Tuner, gathered: Gathered, now: float, trial: dict[str, Any] | None = None) -> TickResult:
+         gathered: Gathered, now: float, *, trial: dict[str, Any] | None = None,
+         base_profile: Profile | None = None) -> TickResult:
     """One round of the tuning loop for one deployment: what to write back (never the spec).
+
+    A pure function of (status, window, now): the tuner's state is read from ``status.tuning`` and its
+    new state is part of the returned status update, written with the decision that made it.
     `trial`: knobs the user asked to try (kvtune.io/try), decided instead of the tuner's choice."""
     out = TickResult()
     obs, mode, ts = gathered.observation, plan.mode, now_iso(now)
@@ -208,6 +227,8 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     old_diagnosis = status.diagnosis.dump() if status and status.diagnosis else {}
     tuning = dict(old_tuning)
     history = list(tuning.get("history") or [])
+    tuner = Tuner(tuner_settings(spec, plan), base_profile=base_profile,
+                  state=state_from_status(status.tuning if status else None))
     out.conditions.append(c.Cond("MetricsAvailable", "True", "WindowRead",
                                  f"{int(gathered.window_s)}s of engine metrics and {len(gathered.trace)} "
                                  "traced requests"))
@@ -223,14 +244,11 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         cfg = current.with_changes(**trial)
         rnd.decision = Decision("change", f"trying the knobs of annotation {TRY_ANNOTATION}", current, cfg,
                                 knob_changes(current, cfg), restart=bool(current.restart_changes(cfg)))
-        tuner.state.begin(rnd.decision, measured_figures(obs), now)
+        tuner.state.begin(rnd.decision, measured_figures(obs), now, source="Annotation")
     out.status_update["diagnosis"] = _replacing(old_diagnosis, diagnosis_status(rnd, gathered.window_s, now))
 
     def record(entry: dict[str, Any], event_type: str) -> None:
-        entry = {k: v for k, v in entry.items() if v is not None}
-        history.append(entry)
-        tuning["lastChange"] = entry
-        out.events.append(EventSpec(event_type, f"Tuning{entry['action']}", entry["message"]))
+        _record(out, tuning, history, entry, event_type)
 
     target, phase, message = current, "Observing", rnd.note
     if rnd.verdict is not None:
@@ -257,8 +275,6 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         if apply:
             target, phase = d.config, "Verifying"
             message = f"applied {_camel(d.changes)}; verifying over the next window"
-            if d.restart:
-                tuning["lastRestartTime"] = ts
         else:
             phase, message = "Recommended", f"recommends {_camel(d.changes)} (Recommend mode: not applied)"
     elif d is not None and rnd.verdict is None:
@@ -267,10 +283,42 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     if changes and mode == AutotuneMode.APPLY:
         out.status_update.update(tuned_status(spec, current, changes))
         out.applied = changes
-    tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:])
+    tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:],
+                  **state_status(tuner.state))
     out.status_update["tuning"] = _replacing(old_tuning, tuning)
     settled = rnd.diagnosis.cause == "Healthy" or phase in ("Settled",)
     out.conditions.append(c.Cond("Tuned", "True" if settled else "False", phase, message or rnd.diagnosis.message))
+    return out
+
+
+def roll_back_failed_rollout(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus, plan: AutotunePlan,
+                             failure: str, now: float) -> TickResult:
+    """The pending restart change's pods never came up: restore the knobs that ran before it (the old
+    pods still serve: maxUnavailable 0), bar the candidate, and say why in the engine's own words.
+    No window is judged: the change never ran."""
+    out = TickResult()
+    objectives = tuner_settings(spec, plan).objectives
+    state = state_from_status(status.tuning)
+    current = effective_engine(spec, status, plan.mode).config
+    restored = state.fail(now, f"the new engine pods did not start: {failure}", objectives)
+    undo = knob_changes(current, restored)
+    old_tuning = status.tuning.dump() if status.tuning else {}
+    tuning = dict(old_tuning)
+    history = list(tuning.get("history") or [])
+    message = (f"the new engine pods did not start: {failure}; rolled back to "
+               f"{_camel({k: getattr(restored, k) for k in undo})}, the candidate is barred")
+    _record(out, tuning, history, {
+        "time": now_iso(now), "action": "RollBack", "cause": status.diagnosis.cause if status.diagnosis else None,
+        "message": message, "restart": bool(RESTART_KNOBS & undo.keys()),
+        "before": _camel({k: getattr(current, k) for k in undo}) or None, "after": _camel(undo) or None,
+    }, "Warning")
+    if undo:
+        out.status_update.update(tuned_status(spec, current, undo))
+        out.applied = undo
+    tuning.update(mode=plan.mode.value, phase="RolledBack", message=message,
+                  history=history[-TUNING_HISTORY_LIMIT:], **state_status(state))
+    out.status_update["tuning"] = _replacing(old_tuning, tuning)
+    out.conditions.append(c.Cond("Tuned", "False", "RolledBack", message))
     return out
 
 
@@ -283,22 +331,18 @@ def _since_last_change(status: InferenceDeploymentStatus | None, now: float) -> 
 
 
 class TuningLoop:
-    """Per-deployment tuners and their schedule; the kopf timer calls `maybe_tick` often and each
-    deployment is tuned at its own spec.autotune.interval."""
+    """The per-deployment schedule; the kopf timer calls `maybe_tick` often and each deployment is
+    tuned at its own spec.autotune.interval. It keeps no tuner state: every tick starts from a fresh
+    read of the object, whose status.tuning holds all the tuner remembers (tuning_state.py)."""
 
     def __init__(self, reconciler: Any, settings: Any, clock: Callable[[], float] = time.time):
         self.reconciler, self.settings, self.clock = reconciler, settings, clock
-        self.tuners: dict[tuple[str, str], Tuner] = {}
-        self.last: dict[tuple[str, str], float] = {}
-        self.tried: dict[tuple[str, str], str] = {}  # kvtune.io/try values already tried
+        self.last: dict[tuple[str, str], float] = {}  # when each deployment was last looked at
 
     def forget(self, namespace: str, name: str) -> None:
-        self.tuners.pop((namespace, name), None)
         self.last.pop((namespace, name), None)
 
     def maybe_tick(self, namespace: str, name: str, body: dict[str, Any]) -> TickResult | None:
-        from .model import InferenceDeployment
-
         infd = InferenceDeployment.from_body(body)
         plan = resolve_autotune(infd.spec, self.settings)
         key, now = (namespace, name), self.clock()
@@ -308,25 +352,41 @@ class TuningLoop:
         if now - self.last.get(key, -math.inf) < plan.interval_s:
             return None
         self.last[key] = now
-        settings = tuner_settings(infd.spec, plan)
-        tuner = self.tuners.get(key)
-        tuner = self.tuners[key] = Tuner(settings, state=tuner.state if tuner else None)
-        try:
-            gathered = gather(plan, namespace, name, infd.spec, _since_last_change(infd.status, now))
-        except MetricsUnavailable as e:
-            result = TickResult(conditions=[c.Cond("MetricsAvailable", "False", e.reason, str(e))])
-        else:
-            trial = None
-            raw = (infd.metadata.annotations or {}).get(TRY_ANNOTATION) if infd.metadata else None
-            if raw and self.tried.get(key) != raw:
-                try:
-                    trial = parse_trial({TRY_ANNOTATION: raw})
-                except ValueError as e:
-                    self.tried[key] = raw
-                    self.reconciler.reconcile(namespace, name, events=[EventSpec("Warning", "InvalidTrial", str(e))])
-            result = tick(infd.spec, infd.status, plan, tuner, gathered, now, trial=trial)
-            if trial is not None and result.applied:
-                self.tried[key] = raw
+        # kopf's body may predate our own last status patch: the state must come from a fresh read
+        raw = self.reconciler.kube.get_infd(namespace, name)
+        if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
+            return None
+        infd = InferenceDeployment.from_body(raw)
+        plan = resolve_autotune(infd.spec, self.settings)
+        result = self._round(namespace, name, infd, plan, now)
         self.reconciler.reconcile(namespace, name, status_update=result.status_update,
                                   conditions=result.conditions, events=result.events)
+        return result
+
+    def _round(self, namespace: str, name: str, infd: InferenceDeployment, plan: AutotunePlan,
+               now: float) -> TickResult:
+        status, tuning = infd.status, infd.status.tuning
+        pending = tuning.pending if tuning else None
+        if pending is not None and pending.restart and plan.mode == AutotuneMode.APPLY:
+            failure = rollout_failure(self.reconciler.kube.list_pods(namespace, selector_string(name)),
+                                      self.reconciler.kube.get("apps/v1", "Deployment", namespace, name),
+                                      pending.restart_hash)
+            if failure:
+                return roll_back_failed_rollout(infd.spec, status, plan, failure, now)
+        try:
+            gathered = gather(plan, namespace, name, infd.spec, _since_last_change(status, now))
+        except MetricsUnavailable as e:
+            waiting = " A pending change keeps waiting for its verdict." if pending is not None else ""
+            return TickResult(conditions=[c.Cond("MetricsAvailable", "False", e.reason, f"{e}.{waiting}")])
+        trial, invalid = None, None
+        raw = (infd.metadata.annotations or {}).get(TRY_ANNOTATION)
+        if raw and (tuning.tried_annotation if tuning else None) != raw:
+            try:
+                trial = parse_trial({TRY_ANNOTATION: raw})
+            except ValueError as e:
+                invalid = EventSpec("Warning", "InvalidTrial", str(e))
+        result = tick(infd.spec, status, plan, gathered, now, trial=trial)
+        if invalid is not None or (trial is not None and result.applied):  # each value is tried once
+            result.status_update.setdefault("tuning", {})["triedAnnotation"] = raw
+        result.events[:0] = [invalid] if invalid else []
         return result

@@ -6,7 +6,7 @@ import json
 
 from kvtune_operator.conditions import Cond, get_condition
 from kvtune_operator.kube import API_CALLS, KubeError
-from kvtune_operator.reconcile import Reconciler
+from kvtune_operator.reconcile import EventSpec, Reconciler
 from kvtune_operator.render import ANNOTATION_RESTART_HASH
 from kvtune_operator.settings import Settings
 
@@ -308,3 +308,19 @@ def test_unset_knob_leaves_status():
     assert "kvCacheMemoryGiB" not in kube.infd()["status"]["engine"]
     assert "kvCacheMemoryGiB 0.05 -> unset" in out.events[0].message
     assert "kv_cache_memory: null" in kube.child("ConfigMap", "qwen-engine")["data"]["engine.yaml"]
+
+
+def test_a_decision_whose_status_was_not_written_posts_no_event():
+    """An apiserver that refuses the status patch (an outage): the tuner's decision did not happen,
+    so its event is not posted either (the next tick decides again and posts it once)."""
+    kube, rec = setup()
+    rec.reconcile("llm", "qwen")
+
+    def refuse(*a, **k):
+        raise KubeError("connection refused", 503)
+
+    kube.patch_infd_status = refuse
+    tuner_event = EventSpec("Normal", "TuningApply", "maxNumSeqs 64 -> 160")
+    out = rec.reconcile("llm", "qwen", status_update={"tuning": {"phase": "Verifying"}}, events=[tuner_event])
+    assert out.retry and "status update failed" in out.retry
+    assert "TuningApply" not in reasons(kube)

@@ -12,9 +12,9 @@ from kvtune_engine.sim.simulator import SLO, simulate
 from kvtune_operator.effective import effective_engine, resolve_autotune
 from kvtune_operator.model import AutotuneMode, InferenceDeployment
 from kvtune_operator.settings import Settings
-from kvtune_operator.tuner.loop import Tuner
 from kvtune_operator.tuner.observation import Observation
-from kvtune_operator.tuning import Gathered, tick, tuner_settings
+from kvtune_operator.tuning import Gathered, tick
+from kvtune_operator.tuning_state import state_from_status
 
 SC = SCENARIOS["seq-cap"]
 PROFILE = load_profile(SC.profile)
@@ -51,8 +51,8 @@ def seq_cap_window():
 def test_apply_raises_the_sequence_cap_live_within_bounds(seq_cap_window):
     obj = infd("Apply")
     plan = plan_of(obj)
-    res = tick(obj.spec, obj.status, plan, Tuner(tuner_settings(obj.spec, plan), base_profile=PROFILE),
-               seq_cap_window, now=1_000_000.0)
+    res = tick(obj.spec, obj.status, plan, seq_cap_window, now=1_000_000.0,
+               base_profile=PROFILE)
     assert res.status_update["diagnosis"]["cause"] == "SequenceCap"
     assert "sequence cap" in res.status_update["diagnosis"]["message"].lower()
     new = res.status_update["engine"]["maxNumSeqs"]
@@ -69,8 +69,8 @@ def test_apply_raises_the_sequence_cap_live_within_bounds(seq_cap_window):
 def test_recommend_decides_but_writes_no_knob(seq_cap_window):
     obj = infd("Recommend")
     plan = plan_of(obj)
-    res = tick(obj.spec, obj.status, plan, Tuner(tuner_settings(obj.spec, plan), base_profile=PROFILE),
-               seq_cap_window, now=1_000_000.0)
+    res = tick(obj.spec, obj.status, plan, seq_cap_window, now=1_000_000.0,
+               base_profile=PROFILE)
     assert "engine" not in res.status_update and res.applied == {}
     t = res.status_update["tuning"]
     assert t["phase"] == "Recommended" and t["lastChange"]["action"] == "Recommend"
@@ -80,8 +80,8 @@ def test_recommend_decides_but_writes_no_knob(seq_cap_window):
 def test_no_decision_while_the_engines_still_run_the_old_knobs(seq_cap_window):
     obj = infd("Apply", status={"engine": {"maxNumSeqs": 128}, "baseline": {"maxNumSeqs": 64}})
     plan = plan_of(obj)
-    tuner = Tuner(tuner_settings(obj.spec, plan), base_profile=PROFILE)
-    res = tick(obj.spec, obj.status, plan, tuner, seq_cap_window, now=1_000_000.0)  # engines report 64
+    res = tick(obj.spec, obj.status, plan, seq_cap_window, now=1_000_000.0,
+               base_profile=PROFILE)  # engines report 64
     t = res.status_update["tuning"]
     assert t["phase"] == "Applying" and "maxNumSeqs" in t["message"]
     assert res.applied == {} and not res.events and "diagnosis" not in res.status_update
@@ -90,8 +90,7 @@ def test_no_decision_while_the_engines_still_run_the_old_knobs(seq_cap_window):
 def test_a_regression_after_the_change_is_rolled_back_and_remembered(seq_cap_window):
     obj = infd("Apply")
     plan = plan_of(obj)
-    tuner = Tuner(tuner_settings(obj.spec, plan), base_profile=PROFILE)
-    first = tick(obj.spec, obj.status, plan, tuner, seq_cap_window, now=1_000_000.0)
+    first = tick(obj.spec, obj.status, plan, seq_cap_window, now=1_000_000.0, base_profile=PROFILE)
     new = first.status_update["engine"]["maxNumSeqs"]
     status = {"engine": first.status_update["engine"], "baseline": first.status_update["baseline"],
               "tuning": first.status_update["tuning"]}
@@ -103,13 +102,17 @@ def test_a_regression_after_the_change_is_rolled_back_and_remembered(seq_cap_win
     bad_obs = good.observation.with_(goodput_requests_per_s=good.observation.goodput_requests_per_s * 0.1,
                                      output_tokens_per_s=good.observation.output_tokens_per_s * 0.1,
                                      summary=None)
-    res = tick(after.spec, after.status, plan, tuner, Gathered(bad_obs, [], good.window_s), now=1_000_200.0)
+    res = tick(after.spec, after.status, plan, Gathered(bad_obs, [], good.window_s), now=1_000_200.0,
+               base_profile=PROFILE)
     actions = [h["action"] for h in res.status_update["tuning"]["history"]]
     assert actions == ["Apply", "RollBack"]
     assert res.status_update["engine"]["maxNumSeqs"] == 64          # back to what ran before
     assert res.status_update["tuning"]["phase"] == "RolledBack"
     assert any(e.reason == "TuningRollBack" and e.type == "Warning" for e in res.events)
-    assert tuner.state.is_bad(cfg, 1_000_300.0)                     # not tried again for a while
+    # remembered in status (not in the operator's memory): not tried again for a while
+    later = infd("Apply", {k: res.status_update[k] for k in ("engine", "baseline", "tuning")})
+    assert state_from_status(later.status.tuning).is_bad(cfg, 1_000_300.0)
+    assert "pending" not in later.status.tuning.dump()
 
 
 def test_a_tried_candidate_is_applied_verified_and_rolled_back_when_worse(seq_cap_window):
@@ -119,13 +122,12 @@ def test_a_tried_candidate_is_applied_verified_and_rolled_back_when_worse(seq_ca
     assert trial == {"max_num_seqs": 32}
     obj = infd("Apply")
     plan = plan_of(obj)
-    tuner = Tuner(tuner_settings(obj.spec, plan), base_profile=PROFILE)
-    first = tick(obj.spec, obj.status, plan, tuner, seq_cap_window, now=2_000_000.0, trial=trial)
+    first = tick(obj.spec, obj.status, plan, seq_cap_window, now=2_000_000.0, trial=trial, base_profile=PROFILE)
     assert first.applied == {"max_num_seqs": 32} and first.status_update["tuning"]["phase"] == "Verifying"
     after = infd("Apply", {k: first.status_update[k] for k in ("engine", "baseline", "tuning")})
     cfg = effective_engine(after.spec, after.status, AutotuneMode.APPLY).config
     worse = window(cfg)  # the real simulated window under the halved cap
-    res = tick(after.spec, after.status, plan, tuner, worse, now=2_000_200.0)
+    res = tick(after.spec, after.status, plan, worse, now=2_000_200.0, base_profile=PROFILE)
     assert [h["action"] for h in res.status_update["tuning"]["history"]] == ["Apply", "RollBack"]
     assert res.status_update["engine"]["maxNumSeqs"] == 64
 

@@ -61,3 +61,38 @@ def test_status_patch_replaces_nested_objects_it_rewrites():
     new = {"action": "RollBack", "message": "fell 40%"}
     assert _replacing(old, new) == {"action": "RollBack", "message": "fell 40%", "before": None,
                                     "after": None, "restart": None}
+
+
+def _scrapes(stamps, pod="p0"):
+    d = _series("kvtune_steps_total", list(range(len(stamps))), pod=pod)
+    d["values"] = [[t, str(i)] for i, t in enumerate(stamps)]
+    return d
+
+
+def test_coverage_counts_the_scraped_share_of_the_window():
+    from kvtune_operator.prometheus import MIN_COVERAGE, coverage
+
+    full = [float(t) for t in range(1, 21)]                      # every second of a 20 s window
+    assert coverage([_scrapes(full)], 20) == 1.0
+    # Prometheus down for 12 s in the middle: the window is mostly a guess
+    gap = [t for t in full if not 5 < t < 18]
+    assert coverage([_scrapes(gap)], 20) < MIN_COVERAGE
+    # only the last 6 s scraped (Prometheus came back with an empty store)
+    assert coverage([_scrapes(full[-6:])], 20) < MIN_COVERAGE
+    # ... unless the engine itself started then (judged on its own life)
+    assert coverage([_scrapes(full[-6:])], 20, new_instances=["127.0.0.1:800"]) == 1.0
+    # the best-covered replica counts
+    assert coverage([_scrapes(gap), _scrapes(full, pod="p1")], 20) == 1.0
+
+
+def test_read_window_refuses_a_window_with_too_few_scrapes(monkeypatch):
+    import pytest
+    from prometheus_api_client import PrometheusConnect
+
+    from kvtune_operator.prometheus import MetricsUnavailable, read_window
+
+    stamps = [float(t) for t in range(1, 21) if not 5 < t < 18]
+    monkeypatch.setattr(PrometheusConnect, "custom_query", lambda self, query: [_scrapes(stamps)])
+    with pytest.raises(MetricsUnavailable) as e:
+        read_window("http://127.0.0.1:9", "ns", "chat", 20)
+    assert e.value.reason == "IncompleteWindow" and "of the last 20s" in str(e.value)

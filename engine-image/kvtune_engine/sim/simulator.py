@@ -78,7 +78,8 @@ class _Acc:
         self.slo = slo
         self.rows: list[dict] | None = [] if per_request else None
         self.busy_s = 0.0
-        self.usage = self.frag = self.running = self.shared = 0.0
+        self.usage = self.frag = self.running = self.shared = self.queued = 0.0
+        self.used_max = 0
         self.states = dict.fromkeys(("free", "reserved", "used", "cached"), 0.0)
         self.swap_peak = 0.0
         self.running_max = self.queued_max = 0
@@ -129,8 +130,8 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
     pool, kv = sched.kv.pool, sched.kv
     nb, bs, reserve = size.num_blocks, config.block_size, sched.reserve_blocks
     waiting, swapped = sched.waiting, sched.swapped
-    busy = usage = frag = shared = running = free_t = reserved_t = cached_t = 0.0
-    running_max = queued_max = 0
+    busy = usage = frag = shared = running = queued = free_t = reserved_t = cached_t = 0.0
+    running_max = queued_max = used_max = 0
     swap_low = size.num_swap_blocks
     n_total, i, rejected = len(order), 0, 0
     now = start = trace[order[0]].arrival_s
@@ -167,6 +168,8 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
         used = nb - n_free - n_idle
         busy += dt
         usage += used * dt
+        if used > used_max:
+            used_max = used
         if used:
             frag += (kv.num_table_blocks * bs - sched.computed_tokens - batch.num_batched_tokens) / (used * bs) * dt
         shared += pool.num_shared * dt
@@ -175,6 +178,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
         if nr > running_max:
             running_max = nr
         nq = len(waiting) + len(swapped)
+        queued += nq * dt
         if nq > queued_max:
             queued_max = nq
         held = n_free if n_free < reserve else reserve
@@ -189,6 +193,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
         if done:
             acc.requests(done)
     acc.busy_s, acc.usage, acc.frag, acc.shared, acc.running = busy, usage, frag, shared, running
+    acc.queued, acc.used_max = queued, used_max
     acc.running_max, acc.queued_max = running_max, queued_max
     acc.states.update(free=free_t, reserved=reserved_t, used=usage, cached=cached_t)
     acc.swap_peak = 1.0 - swap_low / size.num_swap_blocks if size.num_swap_blocks else 0.0
@@ -220,20 +225,22 @@ def _summary(acc: _Acc, sched: Scheduler, size, config: EngineConfig, profile: P
         "output_tokens_per_s": acc.out_tokens / duration,
         "requests_per_s": acc.finished / duration,
         "goodput_requests_per_s": acc.good / duration,
-        "ttft_p50_s": percentile(acc.ttft, 0.5), "ttft_p99_s": percentile(acc.ttft, 0.99),
-        "tpot_p50_s": percentile(acc.tpot, 0.5), "tpot_p99_s": percentile(acc.tpot, 0.99),
-        "queue_time_p50_s": percentile(acc.queue, 0.5), "queue_time_p99_s": percentile(acc.queue, 0.99),
+        **{f"{name}_p{round(q * 100)}_s": percentile(values, q)
+           for name, values in (("ttft", acc.ttft), ("tpot", acc.tpot), ("queue_time", acc.queue))
+           for q in (0.5, 0.95, 0.99)},
         "e2e_p50_s": percentile(acc.e2e, 0.5), "e2e_p99_s": percentile(acc.e2e, 0.99),
         "preemptions": {**st.preemptions, "swap_full": st.swap_full},
         "waiting_cause_share": share,
         "dominant_waiting_cause": dominant,
         "kv_usage_mean": acc.usage / busy / nb,
+        "kv_usage_peak": acc.used_max / nb,
         "internal_fragmentation_mean": acc.frag / busy,
         "kv_blocks_mean_share": {k: v / busy / nb for k, v in acc.states.items()},
         "shared_blocks_mean_share": acc.shared / busy / nb,
         "swap_usage_peak": acc.swap_peak,
         "running_mean": acc.running / busy,
         "running_max": acc.running_max,
+        "queued_mean": acc.queued / busy,
         "queued_max": acc.queued_max,
         "prefix_cache": {"query_tokens": q, "hit_tokens": h, "hit_rate": h / q if q else 0.0},
         "num_blocks": nb,

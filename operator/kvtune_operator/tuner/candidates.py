@@ -453,7 +453,7 @@ def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), caus
         fit = seq_cap_fit(obs, cfg)
         if fit:
             seqs.add(fit)
-    if pressure or (slo_tpot_s is not None and obs.tpot_p99_s > slo_tpot_s):
+    if pressure or (slo_tpot_s is not None and obs.tpot_p95_s > slo_tpot_s):
         seqs.update(cfg.max_num_seqs * f for f in (0.5, 0.75))
     for v in sorted(seqs):
         v = int(bounds.max_num_seqs.clamp(_round_seqs(v)))
@@ -473,7 +473,7 @@ def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), caus
 
     # TPOT misses its target: smaller batches need both fewer sequences and smaller prefill chunks
     # (either alone often moves the stall elsewhere), so these two move together
-    if slo_tpot_s is not None and obs.tpot_p99_s > slo_tpot_s and cfg.enable_chunked_prefill:
+    if slo_tpot_s is not None and obs.tpot_p95_s > slo_tpot_s and cfg.enable_chunked_prefill:
         for fs, ft in ((0.25, 0.25), (0.5, 0.25), (0.5, 0.5)):
             v = int(bounds.max_num_seqs.clamp(_round_seqs(cfg.max_num_seqs * fs)))
             t = int(bounds.max_num_batched_tokens.clamp(_round_tokens(cfg.max_num_batched_tokens * ft, cfg.block_size)))

@@ -126,7 +126,12 @@ def knob_changes(before: EngineConfig, after: EngineConfig) -> dict[str, Any]:
 
 def config_key(cfg: EngineConfig) -> str:
     """Identity of a candidate for the bad-candidate memory (its tuned knobs)."""
-    return json.dumps({k: getattr(cfg, k) for k in TUNED_KNOBS}, sort_keys=True)
+    return values_key(cfg.model_dump())
+
+
+def values_key(values: Mapping[str, Any]) -> str:
+    """`config_key` of typed knob values (EngineConfig field names), e.g. read back from status."""
+    return json.dumps({k: values.get(k) for k in TUNED_KNOBS}, sort_keys=True)
 
 
 @dataclass
@@ -222,6 +227,7 @@ def window_figures(summary: Mapping[str, Any], arrival_rate: float | None = None
         "requests_per_s": rps,
         "offered_requests_per_s": load,
         "goodput_share": good / load if load > 0 else 0.0,
+        "queue_time_p95_s": _f(summary, "queue_time_p95_s"),
         "queue_time_p99_s": _f(summary, "queue_time_p99_s"),
         "preemptions_per_min": preemptions_per_min(summary),
     }
@@ -295,6 +301,7 @@ class PendingChange:
     applied_at: float
     before_figures: dict[str, float]   # measured in the window before the change
     predicted_figures: dict[str, float]
+    source: str = "Tuner"              # "Tuner" | "Annotation" (kvtune.io/try)
 
 
 @dataclass
@@ -304,6 +311,7 @@ class TunerState:
     pending: PendingChange | None = None
     last_restart_at: float | None = None
     bad: dict[str, float] = field(default_factory=dict)    # config_key -> barred until
+    bad_reasons: dict[str, tuple[float, str]] = field(default_factory=dict)  # config_key -> (when, why)
     history: list[dict[str, Any]] = field(default_factory=list)
     restarts: int = 0
     history_len: int = 10
@@ -320,9 +328,10 @@ class TunerState:
 
     def forget_expired(self, now: float) -> None:
         self.bad = {k: t for k, t in self.bad.items() if t > now}
+        self.bad_reasons = {k: v for k, v in self.bad_reasons.items() if k in self.bad}
 
     # ---- transitions ----
-    def begin(self, decision: Decision, before: Mapping[str, float], now: float) -> None:
+    def begin(self, decision: Decision, before: Mapping[str, float], now: float, *, source: str = "Tuner") -> None:
         """The decision was applied at ``now``: verify it over the next window."""
         if decision.action != "change":
             raise ValueError("only a change can be verified")
@@ -332,7 +341,8 @@ class TunerState:
             before=decision.current.model_dump(), after=decision.config.model_dump(),
             changes=dict(decision.changes), restart=decision.restart, applied_at=now,
             before_figures=dict(before),
-            predicted_figures=window_figures(decision.predicted or {}, before.get("offered_requests_per_s")))
+            predicted_figures=window_figures(decision.predicted or {}, before.get("offered_requests_per_s")),
+            source=source)
         self.phase = "Verifying"
         if decision.restart:
             self.last_restart_at = now
@@ -351,21 +361,37 @@ class TunerState:
             raise ValueError("nothing to verify")
         p = self.pending
         v = judge(p.before_figures, measured, p.predicted_figures, objectives.regression_threshold, counterfactual)
-        after = EngineConfig.model_validate(p.after)
-        if v.keep:
-            nxt = after
-        else:
-            nxt = EngineConfig.model_validate(p.before)
-            self.bad[config_key(after)] = now + objectives.bad_memory_s
-            if p.restart:  # undoing a restart change is itself a rollout
-                self.restarts += 1
-                self.last_restart_at = now
+        nxt = EngineConfig.model_validate(p.after) if v.keep else self._roll_back(now, v.reason, objectives)
         self._log({"at": now, "event": "kept" if v.keep else "rolled_back", "changes": dict(p.changes),
                    "restart": p.restart, "reason": v.reason, "predicted": p.predicted_figures,
                    "measured": dict(measured), "before": p.before_figures})
         self.pending = None
         self.phase = "Idle"
         return v, nxt
+
+    def fail(self, now: float, reason: str, objectives: Objectives) -> EngineConfig:
+        """The pending change could not run at all (its pods never came up): roll it back without a
+        window to judge, bar the candidate, and return the config to restore."""
+        if self.phase != "Verifying" or self.pending is None:
+            raise ValueError("nothing to roll back")
+        p = self.pending
+        nxt = self._roll_back(now, reason, objectives)
+        self._log({"at": now, "event": "failed", "changes": dict(p.changes), "restart": p.restart,
+                   "reason": reason, "before": p.before_figures})
+        self.pending = None
+        self.phase = "Idle"
+        return nxt
+
+    def _roll_back(self, now: float, reason: str, objectives: Objectives) -> EngineConfig:
+        p = self.pending
+        assert p is not None
+        key = config_key(EngineConfig.model_validate(p.after))
+        self.bad[key] = now + objectives.bad_memory_s
+        self.bad_reasons[key] = (now, reason)
+        if p.restart:  # undoing a restart change is itself a rollout
+            self.restarts += 1
+            self.last_restart_at = now
+        return EngineConfig.model_validate(p.before)
 
     def _log(self, entry: dict[str, Any]) -> None:
         self.history.append(entry)

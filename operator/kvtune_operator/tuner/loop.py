@@ -66,7 +66,8 @@ def measured_figures(obs: Observation) -> dict[str, float]:
     """The figures a verification compares, from one observed window."""
     s = obs.summary or {
         "goodput_requests_per_s": obs.goodput_requests_per_s, "output_tokens_per_s": obs.output_tokens_per_s,
-        "requests_per_s": obs.requests_per_s, "queue_time_p99_s": obs.queue_time_p99_s,
+        "requests_per_s": obs.requests_per_s, "queue_time_p95_s": obs.queue_time_p95_s,
+        "queue_time_p99_s": obs.queue_time_p99_s,
         "preemptions": {"swap": obs.preemptions_swap, "recompute": obs.preemptions_recompute},
         "duration_s": obs.window_s,
     }

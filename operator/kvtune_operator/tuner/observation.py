@@ -18,9 +18,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 from kvtune_engine.config import EngineConfig
+from kvtune_engine.core.stats import CAUSES
 
-#: The waiting causes the scheduler records for the head of the waiting queue (issue 2 section 3).
-WAITING_CAUSES = ("max_num_seqs", "token_budget", "kv_blocks", "watermark", "swap_space")
+#: The limits that can stop the head of the waiting queue: the engine scheduler's own list, less "none".
+WAITING_CAUSES = tuple(c for c in CAUSES if c != "none")
 GiB = 1024 ** 3
 
 
@@ -143,10 +144,13 @@ class Observation:
     memory: Mapping[str, float] = field(default_factory=dict)
     # latency and throughput
     queue_time_p50_s: float = 0.0
+    queue_time_p95_s: float = 0.0
     queue_time_p99_s: float = 0.0
     ttft_p50_s: float = 0.0
+    ttft_p95_s: float = 0.0
     ttft_p99_s: float = 0.0
     tpot_p50_s: float = 0.0
+    tpot_p95_s: float = 0.0
     tpot_p99_s: float = 0.0
     output_tokens_per_s: float = 0.0
     requests_per_s: float = 0.0
@@ -234,10 +238,13 @@ class Observation:
             swap_blocks=_opt_int(s.get("num_swap_blocks")),
             memory=mem,
             queue_time_p50_s=float(s.get("queue_time_p50_s") or 0.0),
+            queue_time_p95_s=float(s.get("queue_time_p95_s") or 0.0),
             queue_time_p99_s=float(s.get("queue_time_p99_s") or 0.0),
             ttft_p50_s=float(s.get("ttft_p50_s") or 0.0),
+            ttft_p95_s=float(s.get("ttft_p95_s") or 0.0),
             ttft_p99_s=float(s.get("ttft_p99_s") or 0.0),
             tpot_p50_s=float(s.get("tpot_p50_s") or 0.0),
+            tpot_p95_s=float(s.get("tpot_p95_s") or 0.0),
             tpot_p99_s=float(s.get("tpot_p99_s") or 0.0),
             output_tokens_per_s=float(s.get("output_tokens_per_s") or 0.0),
             requests_per_s=float(s.get("requests_per_s") or 0.0),
@@ -323,10 +330,13 @@ class Observation:
             swap_usage_peak=float(f.get("kvtune_swap_usage_ratio", agg="max") or 0.0),
             memory=mem,
             queue_time_p50_s=f.hist_quantile("kvtune_request_queue_time_seconds", 0.5),
+            queue_time_p95_s=f.hist_quantile("kvtune_request_queue_time_seconds", 0.95),
             queue_time_p99_s=f.hist_quantile("kvtune_request_queue_time_seconds", 0.99),
             ttft_p50_s=f.hist_quantile("kvtune_time_to_first_token_seconds", 0.5),
+            ttft_p95_s=f.hist_quantile("kvtune_time_to_first_token_seconds", 0.95),
             ttft_p99_s=f.hist_quantile("kvtune_time_to_first_token_seconds", 0.99),
             tpot_p50_s=f.hist_quantile("kvtune_inter_token_latency_seconds", 0.5),
+            tpot_p95_s=f.hist_quantile("kvtune_inter_token_latency_seconds", 0.95),
             tpot_p99_s=f.hist_quantile("kvtune_inter_token_latency_seconds", 0.99),
             output_tokens_per_s=out_tokens / win if win > 0 else 0.0,
             requests_per_s=rps, goodput_requests_per_s=goodput,

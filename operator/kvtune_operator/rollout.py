@@ -1,0 +1,54 @@
+"""Did a restart change's new pods fail to come up? Read as a kubelet and the Deployment controller
+report it, so that the tuner can roll the change back without a human.
+
+A restart change rolls the pods to a template whose ``kvtune.io/restart-hash`` names the new
+restart-only knobs. It has failed when one of the pods of that template has had its engine exit with
+an error ``FAILED_STARTS`` times (the engine says why in its last log line: the pod's termination
+message), or when the Deployment controller gave up on that template (ProgressDeadlineExceeded).
+Pods of the old template, and pods being deleted, are not the change's.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from .render import ANNOTATION_RESTART_HASH
+
+#: an engine that failed to start this many times on the new knobs will not start on them
+FAILED_STARTS = 2
+
+
+def _failed_starts(cs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """(error exits so far, the latest termination) of one container status."""
+    state = cs.get("state") or {}
+    now = state.get("terminated") or {}
+    last = (cs.get("lastState") or {}).get("terminated") or {}
+    latest = now if now else last
+    if int(latest.get("exitCode") or 0) == 0:
+        return 0, latest
+    return int(cs.get("restartCount") or 0) + (1 if now else 0), latest
+
+
+def rollout_failure(pods: Iterable[dict[str, Any]], deployment: dict[str, Any] | None, restart_hash: str | None,
+                    *, failed_starts: int = FAILED_STARTS) -> str | None:
+    """Why the rollout to ``restart_hash`` failed, in the engine's words; None while it may still succeed."""
+    if not restart_hash:
+        return None
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        meta = pod.get("metadata") or {}
+        if meta.get("deletionTimestamp") or (meta.get("annotations") or {}).get(ANNOTATION_RESTART_HASH) != restart_hash:
+            continue
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            n, term = _failed_starts(cs)
+            if n >= failed_starts:
+                waiting = ((cs.get("state") or {}).get("waiting") or {}).get("reason")
+                why = (term.get("message") or "").strip().splitlines()
+                return (f"pod {meta.get('name')}: the engine exited with code {term.get('exitCode')} "
+                        f"{n} times{f' ({waiting})' if waiting else ''}"
+                        + (f": {why[-1][-1000:]}" if why else ""))
+    if deployment:
+        template = ((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}
+        if (template.get("annotations") or {}).get(ANNOTATION_RESTART_HASH) == restart_hash:
+            for cond in (deployment.get("status") or {}).get("conditions") or []:
+                if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+                    return f"Deployment {deployment['metadata'].get('name')}: {cond.get('message') or 'ProgressDeadlineExceeded'}"
+    return None
