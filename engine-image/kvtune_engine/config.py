@@ -10,17 +10,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-BLOCK_SIZES = (8, 16, 32, 64, 128)
+from .knobs import BLOCK_SIZES, LIVE_KNOBS, RESTART_KNOBS, TABLE
 
-#: Knobs the running engine applies without a restart (admin API PATCH, watched config file).
-LIVE_KNOBS = frozenset({
-    "max_num_seqs", "max_num_batched_tokens", "watermark",
-    "enable_chunked_prefill", "enable_prefix_caching",
-})
-#: Knobs that size memory at start-up: changing them needs a restart (a rollout in a cluster).
-RESTART_KNOBS = frozenset({
-    "block_size", "gpu_memory_utilization", "swap_space", "max_model_len", "kv_cache_memory",
-})
+__all__ = ["BLOCK_SIZES", "LIVE_KNOBS", "RESTART_KNOBS", "ConfigError", "EngineConfig", "check_knobs",
+           "format_validation_error"]
 
 
 class ConfigError(ValueError):
@@ -92,3 +85,10 @@ def format_validation_error(e: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         lines.append(f"{where}: {msg}" + (f" (got {err['input']!r})" if where != "config" else ""))
     return "; ".join(lines)
+
+
+def check_knobs() -> None:
+    """The knob table names exactly EngineConfig's fields, in the same order."""
+    fields, table = list(EngineConfig.model_fields), [k.name for k in TABLE]
+    if fields != table:
+        raise AssertionError(f"knobs.TABLE {table} != EngineConfig fields {fields}")

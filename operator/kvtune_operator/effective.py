@@ -14,12 +14,11 @@ Pure functions, no Kubernetes. The rules (also in status.baseline's description)
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-from kvtune_engine.config import BLOCK_SIZES, EngineConfig
+from kvtune_engine.config import EngineConfig
+from kvtune_engine.knobs import BY_NAME
 from kvtune_operator.model import (
-    GPU_MEMORY_UTILIZATION_RANGE,
     KNOBS,
     TUNABLE_KNOBS,
     AutotuneMode,
@@ -29,27 +28,7 @@ from kvtune_operator.model import (
     to_camel_dict,
     to_engine_dict,
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """Inclusive numeric range; math.inf for an open upper end."""
-
-    min: float
-    max: float
-
-    def __contains__(self, value: object) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and self.min <= value <= self.max
-
-
-@dataclasses.dataclass(frozen=True)
-class Choices:
-    """A finite set of allowed values (block sizes, booleans)."""
-
-    values: tuple[Any, ...]
-
-    def __contains__(self, value: object) -> bool:
-        return value in self.values
+from kvtune_operator.tuner.candidates import Bounds, Range
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,30 +92,24 @@ def frozen_knobs(spec: InferenceDeploymentSpec) -> set[str]:
     return frozen
 
 
-def knob_bounds(spec: InferenceDeploymentSpec) -> dict[str, Range | Choices]:
-    """Where each tunable, unfrozen knob (snake_case) may go: spec.autotune.bounds or the knob's limits."""
+def knob_bounds(spec: InferenceDeploymentSpec) -> Bounds:
+    """Where the tunable knobs may go in this cluster: spec.autotune.bounds within the knob table's
+    allowed limits (an omitted bound is the limit). Frozen knobs are `frozen_knobs`' business."""
     b = spec.autotune.bounds if spec.autotune and spec.autotune.bounds else None
 
-    def rng(r: Any, lo: float, hi: float) -> Range:
+    def rng(name: str, r: Any) -> Range:
+        lo, hi = BY_NAME[name].allowed
         return Range(lo if r is None or r.min is None else r.min, hi if r is None or r.max is None else r.max)
 
-    out: dict[str, Range | Choices] = {
-        "block_size": Choices(tuple(b.block_size) if b and b.block_size else BLOCK_SIZES),
-        "gpu_memory_utilization": rng(b and b.gpu_memory_utilization, *GPU_MEMORY_UTILIZATION_RANGE),
-        "swap_space": rng(b and b.swap_space, 0.0, math.inf),
-        "max_num_seqs": rng(b and b.max_num_seqs, 1, math.inf),
-        "max_num_batched_tokens": rng(b and b.max_num_batched_tokens, 1, math.inf),
-        "enable_chunked_prefill": Choices((False, True)),
-        "enable_prefix_caching": Choices((False, True)),
-    }
-    frozen = frozen_knobs(spec)
-    return {k: v for k, v in out.items() if k not in frozen}
+    return Bounds(
+        block_size=tuple(b.block_size) if b and b.block_size else BY_NAME["block_size"].choices,
+        **{k: rng(k, b and getattr(b, k)) for k in
+           ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens")})
 
 
 def in_bounds(spec: InferenceDeploymentSpec, knob: str, value: Any) -> bool:
     """May the tuner set `knob` (snake_case) to `value`?"""
-    bounds = knob_bounds(spec)
-    return knob in bounds and value in bounds[knob]
+    return knob not in frozen_knobs(spec) and knob_bounds(spec).admits(knob, value)
 
 
 def effective_engine(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None,
@@ -149,18 +122,18 @@ def effective_engine(spec: InferenceDeploymentSpec, status: InferenceDeploymentS
     merged = dict(base_values)
     tuned: dict[str, Any] = {}
     dropped: dict[str, str] = {}
-    bounds = knob_bounds(spec)
+    bounds, frozen = knob_bounds(spec), frozen_knobs(spec)
     for knob, value in tuned_status.items():
         if value == base_values.get(knob) or (knob in seen_baseline and value == seen_baseline[knob]):
             continue  # not a tuned value: the spec's value, now or when status was written
         camel = KNOBS[knob]
         if AutotuneMode(mode) == AutotuneMode.OFF:
             dropped[knob] = "autotune mode is Off"
-        elif knob not in bounds:
+        elif knob in frozen:
             dropped[knob] = f"{camel} is not tuned (frozen)"
         elif seen_baseline.get(knob) != base_values.get(knob):
             dropped[knob] = f"spec.engine.{camel} was edited"
-        elif value not in bounds[knob]:
+        elif not bounds.admits(knob, value):
             dropped[knob] = f"tuned {camel} {value} is outside autotune.bounds"
         else:
             merged[knob] = value

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 
 from kvtune_engine.config import BLOCK_SIZES, LIVE_KNOBS, RESTART_KNOBS, EngineConfig
+from kvtune_engine.knobs import BOUNDED_KNOBS, BY_NAME, TABLE
 
 GROUP = "kvtune.io"
 VERSION = "v1alpha1"
@@ -37,19 +38,17 @@ CATEGORIES = ["kvtune"]
 # Knob names: EngineConfig's snake_case <-> spec.engine's camelCase
 # --------------------------------------------------------------------------------------------
 
-#: Fields whose camelCase name also carries the unit (the engine's flag is in GiB).
-_CAMEL_OVERRIDES = {"swap_space": "swapSpaceGiB", "kv_cache_memory": "kvCacheMemoryGiB"}
-
-#: EngineConfig field (snake_case) -> spec.engine field (camelCase), in EngineConfig's order.
-KNOBS: dict[str, str] = {name: _CAMEL_OVERRIDES.get(name, to_camel(name)) for name in EngineConfig.model_fields}
+#: EngineConfig field (snake_case) -> spec.engine field (camelCase), in EngineConfig's order (the
+#: knob table's names: two carry their unit, ``swapSpaceGiB`` and ``kvCacheMemoryGiB``).
+KNOBS: dict[str, str] = {k.name: k.camel for k in TABLE}
 #: spec.engine field (camelCase) -> EngineConfig field (snake_case).
 KNOBS_BY_CAMEL: dict[str, str] = {camel: snake for snake, camel in KNOBS.items()}
 
 #: Bounds tighter than the engine's own (a cluster-facing safety margin).
+GPU_MEMORY_UTILIZATION_RANGE = BY_NAME["gpu_memory_utilization"].allowed
 _SPEC_BOUNDS: dict[str, dict[str, float]] = {
-    "gpu_memory_utilization": {"ge": 0.1, "le": 0.98},
+    "gpu_memory_utilization": {"ge": GPU_MEMORY_UTILIZATION_RANGE[0], "le": GPU_MEMORY_UTILIZATION_RANGE[1]},
 }
-GPU_MEMORY_UTILIZATION_RANGE = (0.1, 0.98)
 
 
 def to_engine_dict(camel_values: dict[str, Any]) -> dict[str, Any]:
@@ -304,10 +303,7 @@ class SwapRange(CRDModel):
 
 
 #: Knobs the tuner may change (the others stay at the baseline); a subset may be frozen by the user.
-TUNABLE_KNOBS = (
-    "block_size", "gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens",
-    "enable_chunked_prefill", "enable_prefix_caching",
-)
+TUNABLE_KNOBS = BOUNDED_KNOBS
 TunableKnob = Literal[tuple(KNOBS[k] for k in TUNABLE_KNOBS)]  # type: ignore[valid-type]
 
 

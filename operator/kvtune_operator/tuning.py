@@ -21,7 +21,7 @@ from kvtune_engine.config import RESTART_KNOBS
 from kvtune_engine.sim.profile import Profile
 
 from . import conditions as c
-from .effective import (AutotunePlan, Choices, Range, baseline_config, effective_engine, knob_bounds,
+from .effective import (AutotunePlan, baseline_config, effective_engine, frozen_knobs, knob_bounds,
                         resolve_autotune, tuned_status)
 from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, InferenceDeployment,
                     InferenceDeploymentSpec, InferenceDeploymentStatus, parse_duration, to_camel_dict)
@@ -30,7 +30,6 @@ from .reconcile import EventSpec
 from .render import selector_string
 from .rollout import rollout_failure
 from .tuner.candidates import Bounds
-from .tuner.candidates import Range as TRange
 from .tuner.decide import Decision, Objectives, knob_changes, window_figures
 from .tuner.loop import Round, Tuner, TunerSettings, measured_figures
 from .tuner.observation import WAITING_CAUSES, Observation
@@ -60,20 +59,9 @@ def now_iso(t: float) -> str:
 
 
 def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSettings:
-    """spec.autotune (bounds, objectives, cooldown) as the tuner's settings; a frozen knob is pinned
-    to its baseline value."""
-    allowed, base, wide = knob_bounds(spec), baseline_config(spec), Bounds()
-
-    def bound(k: str) -> TRange | tuple:
-        r, d = allowed.get(k), getattr(wide, k)
-        if isinstance(r, Range):
-            return TRange(max(r.min, d.lo), min(r.max, d.hi))
-        if isinstance(r, Choices):
-            return tuple(v for v in d if v in r.values)
-        v = getattr(base, k)
-        return TRange(v, v) if isinstance(d, TRange) else (v,)
-
-    bounds = Bounds(**{k: bound(k) for k in TUNABLE_KNOBS})
+    """spec.autotune (bounds, objectives, cooldown) as the tuner's settings: the user's bounds inside
+    the tuner's search ranges, a frozen knob pinned to its baseline value."""
+    bounds = knob_bounds(spec).within(Bounds()).freeze(baseline_config(spec), frozen_knobs(spec) & set(TUNABLE_KNOBS))
     o = spec.autotune.objectives if spec.autotune and spec.autotune.objectives else None
     dur = lambda v: parse_duration(v) if v else None  # noqa: E731
     objectives = Objectives(

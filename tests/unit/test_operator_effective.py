@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtune_operator.effective import Choices, Range, effective_engine, in_bounds, knob_bounds, tuned_status
+from kvtune_operator.effective import effective_engine, in_bounds, knob_bounds, tuned_status
+from kvtune_operator.tuner.candidates import Range
 from kvtune_operator.model import InferenceDeploymentSpec, InferenceDeploymentStatus
 
 BOUNDS = {"blockSize": [16, 32], "maxNumSeqs": {"min": 32, "max": 512}, "gpuMemoryUtilization": {"max": 0.95}}
@@ -79,12 +80,12 @@ def test_inconsistent_tuned_values_fall_back_to_the_spec():
 
 def test_knob_bounds_defaults_and_user_bounds():
     b = knob_bounds(spec(bounds=None))
-    assert b["block_size"] == Choices((8, 16, 32, 64, 128))
-    assert b["gpu_memory_utilization"] == Range(0.1, 0.98)
-    assert 10_000 in b["max_num_seqs"] and 0 not in b["max_num_seqs"]
-    assert "max_model_len" not in b and "watermark" not in b
+    assert b.block_size == (8, 16, 32, 64, 128)
+    assert b.gpu_memory_utilization == Range(0.1, 0.98)
+    assert 10_000 in b.max_num_seqs and 0 not in b.max_num_seqs
+    assert not b.admits("max_model_len", 4096) and not b.admits("watermark", 0.01)
     b = knob_bounds(spec())
-    assert b["block_size"] == Choices((16, 32)) and b["gpu_memory_utilization"] == Range(0.1, 0.95)
+    assert b.block_size == (16, 32) and b.gpu_memory_utilization == Range(0.1, 0.95)
     assert in_bounds(spec(), "max_num_seqs", 512) and not in_bounds(spec(), "max_num_seqs", 513)
     assert not in_bounds(spec(), "max_num_seqs", True)
 

@@ -16,35 +16,27 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from dataclasses import replace as _replace
 from typing import Any, Iterable, Mapping
 
 from kvtune_engine.config import BLOCK_SIZES, ConfigError, EngineConfig
+from kvtune_engine.knobs import BY_NAME, TABLE, knob
 
 from .observation import GiB, Observation
 
 # ----------------------------------------------------------------------------------------------
 # Bounds
 
-_NAMES = {  # every spelling users write -> EngineConfig field
-    "blockSize": "block_size", "gpuMemoryUtilization": "gpu_memory_utilization",
-    "swapSpaceGiB": "swap_space", "swapSpace": "swap_space", "maxNumSeqs": "max_num_seqs",
-    "maxNumBatchedTokens": "max_num_batched_tokens", "enableChunkedPrefill": "enable_chunked_prefill",
-    "enablePrefixCaching": "enable_prefix_caching", "watermark": "watermark", "maxModelLen": "max_model_len",
-}
 #: CRD (camelCase) spelling of each knob, for messages users read next to their spec.
-CAMEL = {v: k for k, v in _NAMES.items() if k not in ("swapSpace",)}
+CAMEL = {k.name: k.camel for k in TABLE}
 
 
 def knob_name(key: str) -> str:
-    key = key.strip()
-    if key in _NAMES:
-        return _NAMES[key]
-    k = key.replace("-", "_")
-    if k == "swap_space_gib":
-        return "swap_space"
-    if k in EngineConfig.model_fields:
-        return k
-    raise ConfigError(f"unknown knob {key!r} in bounds; knobs: {', '.join(sorted(CAMEL))}")
+    """The EngineConfig field of any spelling of a knob (ConfigError naming the knobs otherwise)."""
+    try:
+        return knob(key).name
+    except KeyError as e:
+        raise ConfigError(f"bounds: {e.args[0]}") from None
 
 
 @dataclass(frozen=True)
@@ -55,20 +47,29 @@ class Range:
     def clamp(self, v: float) -> float:
         return min(self.hi, max(self.lo, v))
 
-    def __contains__(self, v: float) -> bool:
-        return self.lo - 1e-9 <= v <= self.hi + 1e-9
+    def __contains__(self, v: object) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and self.lo - 1e-9 <= v <= self.hi + 1e-9
+
+    def within(self, other: "Range") -> "Range":
+        """The part of this range inside ``other``."""
+        return Range(max(self.lo, other.lo), min(self.hi, other.hi))
+
+
+def _search(name: str) -> Range:
+    return Range(*BY_NAME[name].search)
 
 
 @dataclass(frozen=True)
 class Bounds:
-    """What the tuner may set. Defaults are wide; users narrow them (``spec.autotune.bounds``)."""
-    block_size: tuple[int, ...] = BLOCK_SIZES
-    gpu_memory_utilization: Range = Range(0.05, 0.95)
-    swap_space: Range = Range(0.0, 64.0)
-    max_num_seqs: Range = Range(1, 1024)
-    max_num_batched_tokens: Range = Range(16, 65536)
-    enable_chunked_prefill: tuple[bool, ...] = (True, False)
-    enable_prefix_caching: tuple[bool, ...] = (True, False)
+    """What the tuner may set. Defaults are the knob table's search ranges; users narrow them
+    (``spec.autotune.bounds``)."""
+    block_size: tuple[int, ...] = BY_NAME["block_size"].choices
+    gpu_memory_utilization: Range = _search("gpu_memory_utilization")
+    swap_space: Range = _search("swap_space")
+    max_num_seqs: Range = _search("max_num_seqs")
+    max_num_batched_tokens: Range = _search("max_num_batched_tokens")
+    enable_chunked_prefill: tuple[bool, ...] = BY_NAME["enable_chunked_prefill"].choices
+    enable_prefix_caching: tuple[bool, ...] = BY_NAME["enable_prefix_caching"].choices
     watermark: Range | None = None          # None: never tuned
 
     def allows(self, cfg: EngineConfig) -> bool:
@@ -79,6 +80,22 @@ class Bounds:
                 and cfg.max_num_batched_tokens in self.max_num_batched_tokens
                 and cfg.enable_chunked_prefill in self.enable_chunked_prefill
                 and cfg.enable_prefix_caching in self.enable_prefix_caching)
+
+    def admits(self, name: str, value: Any) -> bool:
+        """May knob ``name`` take ``value``? (A knob without bounds here, like max_model_len: no.)"""
+        allowed = getattr(self, name, None)
+        return allowed is not None and value in allowed
+
+    def within(self, other: "Bounds") -> "Bounds":
+        """These bounds inside ``other`` (the user's bounds inside the tuner's search ranges)."""
+        ch: dict[str, Any] = {}
+        for k, mine in vars(self).items():
+            theirs = getattr(other, k)
+            if isinstance(mine, Range) and isinstance(theirs, Range):
+                ch[k] = mine.within(theirs)
+            elif isinstance(mine, tuple) and isinstance(theirs, tuple):
+                ch[k] = tuple(v for v in theirs if v in mine)
+        return _replace(self, **ch)
 
     def violations(self, cfg: EngineConfig) -> list[str]:
         out = []
@@ -177,8 +194,6 @@ class Bounds:
 
     def freeze(self, cfg: EngineConfig, knobs: Iterable[str]) -> "Bounds":
         """Pin ``knobs`` (any spelling) to their value in ``cfg`` (``spec.autotune.frozenKnobs``)."""
-        from dataclasses import replace as _replace
-
         ch: dict[str, Any] = {}
         for key in knobs:
             k = knob_name(key)
@@ -191,8 +206,6 @@ class Bounds:
 
     def around(self, cfg: EngineConfig) -> "Bounds":
         """These bounds widened to contain ``cfg`` (so the user's baseline is always allowed)."""
-        from dataclasses import replace as _replace
-
         ch: dict[str, Any] = {}
         for k in ("block_size", "enable_chunked_prefill", "enable_prefix_caching"):
             if getattr(cfg, k) not in getattr(self, k):

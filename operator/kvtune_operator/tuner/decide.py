@@ -17,10 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from kvtune_engine.config import RESTART_KNOBS, EngineConfig
-
-#: The knobs the tuner may change (kv_cache_memory is a CPU/test override, never tuned).
-TUNED_KNOBS = ("block_size", "gpu_memory_utilization", "swap_space", "max_num_seqs",
-               "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching", "watermark")
+from kvtune_engine.knobs import TUNED_KNOBS
 
 
 @dataclass(frozen=True)
