@@ -13,7 +13,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import httpx
 
@@ -23,8 +23,9 @@ from kvtune_engine.sim.profile import Profile
 from . import conditions as c
 from .effective import (AutotunePlan, baseline_config, effective_engine, frozen_knobs, knob_bounds,
                         resolve_autotune, tuned_status)
-from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, InferenceDeployment,
-                    InferenceDeploymentSpec, InferenceDeploymentStatus, parse_duration, to_camel_dict)
+from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, Figures,
+                    InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningDecision,
+                    parse_duration, to_camel_dict)
 from .prometheus import MetricsUnavailable, read_window
 from .reconcile import EventSpec
 from .render import selector_string
@@ -52,10 +53,6 @@ class TickResult:
     conditions: list[c.Cond] = field(default_factory=list)
     events: list[EventSpec] = field(default_factory=list)
     applied: dict[str, Any] = field(default_factory=dict)  # knob -> value written to status.engine
-
-
-def now_iso(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSettings:
@@ -117,43 +114,60 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
                              + ("; ".join(errors) or "Prometheus lists no engine instance"))
 
 
+def _stamp(t: float) -> dt.datetime:
+    """A status timestamp: whole seconds, UTC (what kubectl shows)."""
+    return dt.datetime.fromtimestamp(int(t), dt.timezone.utc)
+
+
 def diagnosis_status(rnd: Round, window_s: float, now: float) -> dict[str, Any]:
     o, d = rnd.observation, rnd.diagnosis
-    figs = {
-        "kvUsagePercent": round(100 * o.kv_usage_mean, 1),
-        "waiting": int(round(o.waiting_mean)), "running": int(round(o.running_mean)),
-        "internalFragmentationPercent": round(100 * o.internal_fragmentation_mean, 1),
-        "swapUsagePercent": round(100 * o.swap_usage_peak, 1),
-        "preemptionsPerMinute": round(60 * o.preemptions / window_s, 2) if window_s else 0.0,
-        "queueTimeP95Seconds": round(o.queue_time_p95_s, 3),
-        "ttftP95Seconds": round(o.ttft_p95_s, 3),
-        "tpotP95Seconds": round(o.tpot_p95_s, 4),
-        "throughputTokensPerSecond": round(o.output_tokens_per_s, 2),
-        "goodputRequestsPerSecond": round(o.goodput_requests_per_s, 3),
+    figures = Figures(
+        kv_usage_percent=round(100 * o.kv_usage_mean, 1),
+        waiting=int(round(o.waiting_mean)), running=int(round(o.running_mean)),
+        internal_fragmentation_percent=round(100 * o.internal_fragmentation_mean, 1),
+        swap_usage_percent=round(100 * o.swap_usage_peak, 1),
+        preemptions_per_minute=round(60 * o.preemptions / window_s, 2) if window_s else 0.0,
+        queue_time_p95_seconds=round(o.queue_time_p95_s, 3),
+        ttft_p95_seconds=round(o.ttft_p95_s, 3),
+        tpot_p95_seconds=round(o.tpot_p95_s, 4),
+        throughput_tokens_per_second=round(o.output_tokens_per_s, 2),
+        goodput_requests_per_second=round(o.goodput_requests_per_s, 3),
         # every cause, also those the engine did not report (0): the map replaces the previous one
-        "waitingReasonShares": {k: round(v, 3) for k, v in {**dict.fromkeys(WAITING_CAUSES, 0.0),
-                                                            **o.waiting_cause_share}.items()},
-    }
-    if o.prefix_cache_hit_rate is not None:
-        figs["prefixCacheHitPercent"] = round(100 * o.prefix_cache_hit_rate, 1)
-    return {"cause": d.cause, "message": d.message, "figures": figs, "observedAt": now_iso(now),
-            "window": f"{int(window_s)}s"}
+        waiting_reason_shares={k: round(v, 3) for k, v in {**dict.fromkeys(WAITING_CAUSES, 0.0),
+                                                           **o.waiting_cause_share}.items()},
+        prefix_cache_hit_percent=None if o.prefix_cache_hit_rate is None else round(100 * o.prefix_cache_hit_rate, 1),
+    )
+    return Diagnosis(cause=d.cause, message=d.message, figures=figures, observed_at=_stamp(now),
+                     window=f"{int(window_s)}s").dump()
 
 
-def _figures(f: dict[str, float] | None) -> dict[str, Any] | None:
-    keep = {"goodput_requests_per_s": "goodputRequestsPerSecond",
-            "output_tokens_per_s": "throughputTokensPerSecond", "queue_time_p95_s": "queueTimeP95Seconds"}
-    out = {camel: round(float(f[k]), 3) for k, camel in keep.items() if f and f.get(k) is not None}
-    return out or None
+def _figures(f: Mapping[str, float] | None) -> Figures | None:
+    """The window figures a decision quotes (goodput, throughput, p95 queue time)."""
+    if not f:
+        return None
+    get = lambda k: round(float(f[k]), 3) if f.get(k) is not None else None  # noqa: E731
+    out = Figures(goodput_requests_per_second=get("goodput_requests_per_s"),
+                  throughput_tokens_per_second=get("output_tokens_per_s"),
+                  queue_time_p95_seconds=get("queue_time_p95_s"))
+    return out if out.dump() else None
 
 
-def _predicted(f: dict[str, float] | None) -> dict[str, Any] | None:
+def _predicted(f: Mapping[str, float] | None) -> Figures | None:
     """A prediction's figures; None for a decision that had none (a kvtune.io/try candidate is not
     simulated: its pending figures are all zero)."""
     out = _figures(f)
-    if not out or not (out.get("goodputRequestsPerSecond") or out.get("throughputTokensPerSecond")):
+    if out is None or not (out.goodput_requests_per_second or out.throughput_tokens_per_second):
         return None
     return out
+
+
+def _decision(now: float, action: str, message: str, *, cause: str | None = None, restart: bool = False,
+              before: dict[str, Any] | None = None, after: dict[str, Any] | None = None,
+              predicted: Figures | None = None, measured: Figures | None = None) -> dict[str, Any]:
+    """One entry of status.tuning.history (and lastChange), through the status model."""
+    return TuningDecision(time=_stamp(now), action=action, cause=cause, message=message, restart=restart,
+                          before=_camel(before) if before else None, after=_camel(after) if after else None,
+                          predicted=predicted, measured=measured).dump()
 
 
 def _replacing(old: Any, new: Any) -> Any:
@@ -193,8 +207,7 @@ def parse_trial(annotations: dict[str, str] | None) -> dict[str, Any] | None:
 
 def _record(out: TickResult, tuning: dict[str, Any], history: list[dict[str, Any]], entry: dict[str, Any],
             event_type: str) -> None:
-    """One decision: into the history, as tuning.lastChange, and as an Event."""
-    entry = {k: v for k, v in entry.items() if v is not None}
+    """One decision (a `_decision`): into the history, as tuning.lastChange, and as an Event."""
     history.append(entry)
     tuning["lastChange"] = entry
     out.events.append(EventSpec(event_type, f"Tuning{entry['action']}", entry["message"]))
@@ -209,7 +222,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     new state is part of the returned status update, written with the decision that made it.
     `trial`: knobs the user asked to try (kvtune.io/try), decided instead of the tuner's choice."""
     out = TickResult()
-    obs, mode, ts = gathered.observation, plan.mode, now_iso(now)
+    obs, mode = gathered.observation, plan.mode
     current = effective_engine(spec, status, mode).config
     old_tuning = status.tuning.dump() if status and status.tuning else {}
     old_diagnosis = status.diagnosis.dump() if status and status.diagnosis else {}
@@ -245,10 +258,9 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         # a rollback's own change (a rolled-back round decides nothing else, so rnd.config is the
         # restored config); a Keep changes nothing (rnd.config may be a decision of this same round)
         undo = {} if v.keep else knob_changes(current, rnd.config)
-        record({"time": ts, "action": action, "cause": rnd.diagnosis.cause, "message": v.reason,
-                "restart": bool(RESTART_KNOBS & undo.keys()),
-                "before": _camel({k: getattr(current, k) for k in undo}) or None, "after": _camel(undo) or None,
-                "predicted": _predicted(v.predicted), "measured": _figures(v.measured)},
+        record(_decision(now, action, v.reason, cause=rnd.diagnosis.cause, restart=bool(RESTART_KNOBS & undo.keys()),
+                         before={k: getattr(current, k) for k in undo}, after=undo,
+                         predicted=_predicted(v.predicted), measured=_figures(v.measured)),
                "Normal" if v.keep else "Warning")
         target, phase, message = rnd.config, ("Settled" if v.keep else "RolledBack"), v.reason
     d = rnd.decision
@@ -256,10 +268,10 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         apply = mode == AutotuneMode.APPLY
         repeated = not apply and (tuning.get("lastChange") or {}).get("after") == _camel(d.changes)
         if not repeated:  # Recommend mode: one event per new recommendation, not one per tick
-            record({"time": ts, "action": "Apply" if apply else "Recommend", "cause": rnd.diagnosis.cause,
-                    "message": f"{rnd.diagnosis.message} {d.reason}".strip(), "restart": d.restart,
-                    "before": _camel({k: getattr(d.current, k) for k in d.changes}), "after": _camel(d.changes),
-                    "predicted": _predicted(window_figures(d.predicted) if d.predicted else None)}, "Normal")
+            record(_decision(now, "Apply" if apply else "Recommend", f"{rnd.diagnosis.message} {d.reason}".strip(),
+                             cause=rnd.diagnosis.cause, restart=d.restart,
+                             before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
+                             predicted=_predicted(window_figures(d.predicted) if d.predicted else None)), "Normal")
         if apply:
             target, phase = d.config, "Verifying"
             message = f"applied {_camel(d.changes)}; verifying over the next window"
@@ -295,11 +307,10 @@ def roll_back_failed_rollout(spec: InferenceDeploymentSpec, status: InferenceDep
     history = list(tuning.get("history") or [])
     message = (f"the new engine pods did not start: {failure}; rolled back to "
                f"{_camel({k: getattr(restored, k) for k in undo})}, the candidate is barred")
-    _record(out, tuning, history, {
-        "time": now_iso(now), "action": "RollBack", "cause": status.diagnosis.cause if status.diagnosis else None,
-        "message": message, "restart": bool(RESTART_KNOBS & undo.keys()),
-        "before": _camel({k: getattr(current, k) for k in undo}) or None, "after": _camel(undo) or None,
-    }, "Warning")
+    _record(out, tuning, history, _decision(
+        now, "RollBack", message, cause=status.diagnosis.cause if status.diagnosis else None,
+        restart=bool(RESTART_KNOBS & undo.keys()), before={k: getattr(current, k) for k in undo}, after=undo),
+        "Warning")
     if undo:
         out.status_update.update(tuned_status(spec, current, undo))
         out.applied = undo
