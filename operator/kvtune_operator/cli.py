@@ -10,7 +10,7 @@ COMMANDS = {
     "crd": ("kvtune_operator.commands:crd", "Print the InferenceDeployment CRD generated from the model."),
     "operator": ("kvtune_operator.commands:operator", "Run the Kubernetes operator (kvtune operator run)."),
     "sim": ("kvtune_engine.sim.cli:sim", "Replay a request trace through the scheduler in virtual time."),
-    "trace": ("kvtune_engine.sim.cli:trace", "Generate request traces (scenarios, synthetic mixes)."),
+    "trace": ("kvtune_engine.sim.cli:trace", "Generate request traces (scenarios, mixes) or import logs (Azure, BurstGPT, guidellm, inference-perf)."),
     "serve": ("kvtune_engine.server.cli:serve", "Serve a model: OpenAI API, /metrics, admin API /kvtune/v1/."),
     "demo": ("kvtune_operator.demo:demo", "Watch the tuner fix a mis-tuned engine, live, on this machine (no cluster)."),
     "diagnose": ("kvtune_operator.tuner_cli:diagnose_cmd", "Say why requests wait on a live engine (its /metrics and state)."),

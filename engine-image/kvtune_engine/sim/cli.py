@@ -121,7 +121,7 @@ def sim(trace_file: str, profile_name: str, slo_ttft: float | None, slo_tpot: fl
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def trace() -> None:
-    """Request traces: generate scenario and synthetic traces (JSONL, one request per line)."""
+    """Request traces: generate scenario and synthetic traces, import logs (JSONL, one request per line)."""
 
 
 @trace.command("gen")
@@ -176,6 +176,48 @@ def gen(scenario: str | None, use_mix: bool, seed: int, output: str | None, **mi
         where = output or "FILE"
         click.echo(f"# {scenario}: {sc.symptom}\n# symptom:  {sc.sim_command(where)}\n"
                    f"# relieved: {sc.sim_command(where, fixed=True)}", err=True)
+
+
+@trace.command("import")
+@click.argument("source", type=click.Path(dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["azure", "burstgpt", "guidellm", "inference-perf", "kvtune"]),
+              default=None, help="The source's format (default: detected from its header or structure).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
+              help="Write here instead of stdout.")
+@click.option("--speedup", type=float, default=1.0, show_default=True,
+              help="Divide every arrival time by this (2: the same requests twice as fast).")
+@click.option("--start", "start_s", type=float, default=0.0, show_default=True,
+              help="Skip the first S seconds of the source (its own clock, before --speedup).")
+@click.option("--duration", "duration_s", type=float, default=None, help="Keep S seconds from --start on.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Keep at most N requests (the first).")
+@click.option("--model", default=None, help="BurstGPT: keep only this Model's rows (ChatGPT, GPT-4).")
+@click.option("--benchmark", type=click.IntRange(min=1), default=None,
+              help="guidellm: only the Nth benchmark of the report (default: all, on their own clock).")
+def import_(source: str, fmt: str | None, output: str | None, **opts) -> None:
+    """Convert a request log (Azure LLM trace CSV, BurstGPT CSV, guidellm benchmarks JSON,
+    inference-perf per_request_lifecycle_metrics.json) into a kvtune JSONL trace."""
+    from .trace import TraceError, write_trace
+    from .trace_import import import_trace
+
+    try:
+        res = import_trace(source, fmt, **opts)
+    except TraceError as e:
+        raise click.ClickException(str(e)) from None
+    except ValueError as e:
+        raise click.UsageError(_import_flags(str(e))) from None
+    if not res.requests:
+        raise click.ClickException(res.summary(source))
+    try:
+        write_trace(res.requests, sys.stdout if output is None else output)
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e.strerror or e}") from None
+    click.echo("# " + res.summary(source), err=True)
+
+
+def _import_flags(msg: str) -> str:
+    for f in ("speedup", "limit", "model", "benchmark"):
+        msg = re.sub(rf"^{f}\b", "--" + f, msg)
+    return msg.replace("the slice", "--start/--duration")
 
 
 def _mix_flags(msg: str) -> str:
