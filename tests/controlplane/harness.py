@@ -58,9 +58,35 @@ KWOK_STAGES = (
     "pod-delete.yaml",
 )
 
+#: Pods whose container the pod node (node.py) runs: kwok only starts their sandbox (our own stage,
+#: ``kwok/engine-pod-start.yaml``) and leaves the container's status to the pod node.
+ENGINE_POD_LABEL = ("app.kubernetes.io/name", "kvtune-engine")
+ENGINE_POD_STAGE = HERE / "kwok" / "engine-pod-start.yaml"
+
 #: Label and annotation put on every fake node.
 KWOK_NODE_ANNOTATION = ("kwok.x-k8s.io/node", "fake")
 GPU_RESOURCE = "nvidia.com/gpu"
+
+
+def kwok_stages() -> str:
+    """kwok's stock stages (``bin/kwok-stages/``) plus ours for engine pods, as one ``--config``.
+
+    The stock pod-ready stage marks a pod Running and Ready the moment it is bound; for engine pods
+    that would be a lie the Deployment controller acts on (a rollout would drop the old pod before
+    the new engine has loaded), so pod-ready gets one more selector term that leaves engine pods to
+    ``engine-pod-start.yaml``: kwok gives them an IP and stops there, the pod node does the rest."""
+    import yaml
+
+    docs = []
+    for name in KWOK_STAGES:
+        doc = yaml.safe_load((STAGES_DIR / name).read_text())
+        if doc["metadata"]["name"] == "pod-ready":
+            doc["spec"]["selector"]["matchExpressions"].append({
+                "key": f'.metadata.labels["{ENGINE_POD_LABEL[0]}"]', "operator": "NotIn",
+                "values": [ENGINE_POD_LABEL[1]]})
+        docs.append(yaml.safe_dump(doc, sort_keys=False).strip())
+    docs.append(ENGINE_POD_STAGE.read_text().strip())
+    return "\n---\n".join(docs) + "\n"
 
 
 class BinariesMissing(RuntimeError):
@@ -375,7 +401,7 @@ class ControlPlane:
             f"--secure-port={p['scheduler']}", f"--cert-dir={rd / 'scheduler-pki'}",
         ])
         stages = rd / "kwok-stages.yaml"
-        stages.write_text("\n---\n".join((STAGES_DIR / s).read_text().strip() for s in KWOK_STAGES) + "\n")
+        stages.write_text(kwok_stages())
         self._spawn("kwok", [
             str(BIN_DIR / "kwok"), f"--kubeconfig={self.kubeconfig}", f"--config={stages}",
             f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION[0]}={KWOK_NODE_ANNOTATION[1]}",

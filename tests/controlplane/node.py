@@ -1,17 +1,27 @@
 """A node for our pods: runs engine pods' containers as local processes.
 
 THIS IS THE ONE SIMULATED PART OF THE TEST HARNESS. Everything else (apiserver, controllers,
-scheduler, Prometheus, kubectl, helm) is the real thing; kwok marks pods Running on fake GPU nodes
+scheduler, Prometheus, kubectl, helm) is the real thing; kwok plays the kubelet of fake GPU nodes
 but runs nothing. `PodNode` fills that gap, and only for kvtune engine pods, in a deliberately small
-way: it is not a kubelet.
+way: it is not a kubelet, but it reports what a kubelet reports where the control plane and the
+operator act on it (container state, restarts, readiness).
+
+Who writes what: for engine pods (label ``app.kubernetes.io/name=kvtune-engine``) kwok only starts
+the "sandbox" (``kwok/engine-pod-start.yaml``: pod IP, host IP, ``startTime``, ``Initialized``;
+phase Pending, not Ready); its stock pod-ready stage, which would mark them Running and Ready at
+once, excludes them (``harness.kwok_stages``). No kwok stage matches such a pod again, so nothing
+overwrites what the pod node writes. Pods the node does not run (another namespace than
+`namespaces`, or no pod node at all) stay Pending with ``ContainerCreating``, as on a node that
+cannot start them.
 
 What it does, polling the apiserver every `poll_interval` seconds:
 
 * It looks at pods matching `selector` (default ``app.kubernetes.io/name=kvtune-engine``; engine
   pods also carry ``kvtune.io/inference-deployment=<name>``) in all namespaces, or only in
   `namespaces` when set (``with pod_node.restricted_to(ns): ...``).
-* For each pod that is Running on a node, not being deleted, it starts the pod's FIRST container as
-  a local process: ``command + args`` (``$(VAR)`` references expanded like the kubelet does), with
+* For each pod bound to a node, with its sandbox up (a pod IP), not being deleted, it starts the
+  pod's FIRST container as a local process: ``command + args`` (``$(VAR)`` references expanded like
+  the kubelet does), with
   the container's ``env``/``envFrom`` (literal values, ``fieldRef``, ``configMapKeyRef``,
   ``secretKeyRef``) on top of this process' own environment (so the venv's Python is used):
 
@@ -27,14 +37,47 @@ What it does, polling the apiserver every `poll_interval` seconds:
     become this interpreter; other names are looked up on PATH with this venv's ``bin`` first. For
     anything else, set `translate` to a function ``(pod, container, argv) -> argv``.
 * It stops the process (SIGTERM to its process group, SIGKILL after the grace period, 10 s at most)
-  when the pod is deleted, stops Running, or is replaced (new uid). A process that exits by itself
-  is NOT restarted (see `LocalPod.returncode` and its log file).
+  when the pod is deleted, or is replaced (new uid). Pods outside `namespaces` are no longer its
+  business: their processes stop and their status is left as it was.
+* Like a kubelet with ``restartPolicy: Always``, it restarts a process that exits, in the same pod
+  (same port, same emptyDir and ConfigMap copies, same argv and env; output appended to the same
+  log), with the kubelet's back-off rules (container.py `BackOff`): the first restart at once, then
+  `backoff` = (initial, max) seconds, doubling. The kubelet's is (10, 300); the default here is
+  (1, 30), a tenth, so that a crash loop shows in seconds. ``PodNode(backoff=KUBELET_BACKOFF)`` for
+  the real one.
+* It writes the container's status through the pods/status subresource (strategic merge, like the
+  kubelet), whenever it changes (container.py `ContainerStatus.patch`):
+
+  - ``status.phase`` Running from the first start on (Pending before);
+  - ``status.containerStatuses[0]``: ``name``, ``image``, ``containerID`` (``local://<pid>``),
+    ``restartCount``, ``started``, ``ready``, ``state`` = ``running {startedAt}`` | ``terminated
+    {exitCode, reason: Completed|Error, message, startedAt, finishedAt, containerID}`` (from the
+    exit until the restart decision, one poll) | ``waiting {reason: CrashLoopBackOff, message:
+    "back-off 2s restarting failed container=C pod=NAME_NS(UID)"}`` (while it waits) |
+    ``waiting {reason: ContainerCreating}`` (kwok's, before the first start);
+    ``lastState.terminated`` = the previous run's terminated state. The ``message`` is the
+    termination message: with ``terminationMessagePolicy: FallbackToLogsOnError`` and a non-zero
+    exit code, the last 80 lines of that run's output, at most its last 2048 bytes (the kubelet's
+    limits); otherwise empty (the termination-message file is not simulated). An exit by a signal
+    has exit code 128 + the signal number.
+  - conditions ``ContainersReady`` and ``Ready``: True while the process runs and its
+    ``readinessProbe`` passes (``httpGet``: status 200-399 on the local port; ``tcpSocket``: a
+    connection; after the ``startupProbe``, if any), else False with reason ``ContainersNotReady``.
+    Without a readiness probe the container is ready once it runs, as with a kubelet. Until the
+    first success the probes run every `probe_interval` seconds (the kubelet waits up to
+    ``periodSeconds``: a scaled detail); then every ``periodSeconds`` with the probe's
+    ``timeoutSeconds`` and ``failureThreshold``. ``exec``/``grpc`` probes and liveness probes
+    are not simulated.
+
+  With readiness real, the real controllers do the rest: a Deployment's ``readyReplicas``, a
+  rollout with ``maxUnavailable: 0`` that keeps the old pods until the new ones are Ready, and
+  ``ProgressDeadlineExceeded`` for a rollout whose pods never are.
 * It publishes every live process as a Prometheus file-SD target (``127.0.0.1:PORT``) with labels
   ``namespace``, ``pod``, ``container``, ``node`` and ``inference_deployment`` (from the pod label),
   which is what the kvtune PodMonitor gives; ``prometheus.io/path`` pod annotation sets the path.
 
 How tests reach the processes: `url_for` (pod), `urls_for_selector` / `urls_for_service` (what a
-Service would load-balance to), `rewrite_url` (turns ``http://<podIP>:<containerPort>/...``, as the
+Service would load-balance to: Ready pods only), `rewrite_url` (turns ``http://<podIP>:<containerPort>/...``, as the
 operator would build it from the pod status, into the local URL), `wait_for_pod` /
 `wait_for_selector` (the process listens), `logs` (its output).
 """
@@ -57,6 +100,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from .container import (
+    KUBELET_BACKOFF, BackOff, ContainerStatus, Probe, go_duration, rfc3339, terminated_state, termination_message,
+)
 from .harness import ManagedProcess, free_port
 from .prometheus import write_sd_file
 
@@ -85,6 +131,19 @@ class LocalPod:
     mounts: list[tuple[str, Path]] = field(default_factory=list)  # (mountPath, local path)
     grace_seconds: float = 10.0
     metrics_path: str = "/metrics"
+    env: dict[str, str] = field(default_factory=dict)
+    #: What the node reports in the pod's status (state, restarts, readiness); see container.py.
+    status: ContainerStatus | None = None
+    backoff: BackOff | None = None
+    readiness: Probe | None = None
+    startup: Probe | None = None
+    termination_policy: str | None = None
+    run: int = 0                      # starts of the container so far
+    log_offset: int = 0               # where the current run's output begins in the log
+    exited: dict | None = None        # terminated state of the last run, once it exited
+    finished: float | None = None     # time.monotonic() of that exit, until the restart
+    last_patch: str | None = None
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     @property
     def url(self) -> str:
@@ -101,6 +160,15 @@ class LocalPod:
     def alive(self) -> bool:
         return self.proc.alive()
 
+    @property
+    def ready(self) -> bool:
+        """The container runs and passed its readiness probe (what ``Ready`` says)."""
+        return self.status is not None and self.status.ready and self.alive()
+
+    @property
+    def restart_count(self) -> int:
+        return self.status.restart_count if self.status else 0
+
     def local_path(self, container_path: str) -> str:
         """The local file behind a path inside the container (a mounted ConfigMap, emptyDir)."""
         return _map_path(container_path, self.mounts)
@@ -116,12 +184,16 @@ class PodNode:
       selector:      label selector of the pods to run.
       command_map:   ``{command0: [replacement, argv, prefix]}``.
       poll_interval: seconds between reconciles.
+      backoff:       (initial, max) seconds of the restart back-off (the kubelet's: `KUBELET_BACKOFF`).
+      probe_interval: seconds between probes until a container first passes them.
     """
 
     def __init__(self, kubeconfig: str | os.PathLike, run_dir: str | os.PathLike, *,
                  sd_file: str | os.PathLike | None = None, selector: str = ENGINE_SELECTOR,
                  command_map: dict[str, list[str]] | None = None, poll_interval: float = 0.25,
-                 extra_env: dict[str, str] | None = None):
+                 extra_env: dict[str, str] | None = None,
+                 backoff: tuple[float, float] = (KUBELET_BACKOFF[0] / 10, KUBELET_BACKOFF[1] / 10),
+                 probe_interval: float = 0.5):
         self.kubeconfig = str(kubeconfig)
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,6 +203,8 @@ class PodNode:
         self.translate: Callable[[dict, dict, list[str]], list[str]] | None = None
         self.extra_env = dict(extra_env or {})
         self.poll_interval = poll_interval
+        self.backoff = backoff
+        self.probe_interval = probe_interval
         #: None: run engine pods of every namespace; a set: only those namespaces (see `restricted_to`).
         self.namespaces: set[str] | None = None
         self.pods: dict[tuple[str, str], LocalPod] = {}
@@ -209,8 +283,8 @@ class PodNode:
         return sorted(found, key=lambda lp: lp.name)
 
     def urls_for_selector(self, namespace: str, labels: dict[str, str]) -> list[str]:
-        """Local URLs of the live processes a Service with this selector would route to."""
-        return [lp.url for lp in self.pods_for_selector(namespace, labels)]
+        """Local URLs a Service with this selector would route to: its Ready pods' processes."""
+        return [lp.url for lp in self.pods_for_selector(namespace, labels) if lp.ready]
 
     def urls_for_service(self, namespace: str, service: str) -> list[str]:
         """Local URLs behind a Service (reads its ``spec.selector`` from the apiserver)."""
@@ -283,7 +357,8 @@ class PodNode:
         wanted: dict[tuple[str, str], dict] = {}
         for pod in pods:
             md, spec, st = pod["metadata"], pod.get("spec", {}), pod.get("status", {})
-            if md.get("deletionTimestamp") or st.get("phase") != "Running" or not spec.get("nodeName"):
+            if md.get("deletionTimestamp") or st.get("phase") not in ("Pending", "Running") \
+                    or not spec.get("nodeName") or not st.get("podIP"):
                 continue
             if self.namespaces is not None and md["namespace"] not in self.namespaces:
                 continue
@@ -303,8 +378,11 @@ class PodNode:
                         if msg not in self.errors:
                             self.errors.append(msg)
                             self._log.write(msg + "\n")
+                        continue
                 else:
                     self._sync_volumes(pod, self.pods[key], cm_cache)
+                    self._tend(self.pods[key])
+                self._report(self.pods[key])
             self._publish_targets()
 
     # ------------------------------------------------------------------ pods
@@ -336,19 +414,121 @@ class PodNode:
         env = {**os.environ, **env_list}
         venv_bin = str(Path(sys.executable).parent)
         env["PATH"] = f"{venv_bin}{os.pathsep}{env.get('PATH', '')}"
-        proc = ManagedProcess(f"{ns}/{name}", argv, self.run_dir / f"{ns}_{name}.log", env=env, cwd=workdir,
-                              die_with_parent=True)
         grace = spec.get("terminationGracePeriodSeconds")
+        status = ContainerStatus(name=container["name"], image=container.get("image", ""))
+        # A pod this node ran before (a pod node restarted, or a namespace back in `namespaces`):
+        # like a kubelet finding its exited container, count this start as a restart.
+        before = next((c for c in (pod.get("status") or {}).get("containerStatuses") or []
+                       if c.get("name") == container["name"]), {})
+        if before.get("containerID"):
+            status.restart_count = int(before.get("restartCount") or 0) + 1
+            status.ever_started = True
+        ready_cond = next((c for c in (pod.get("status") or {}).get("conditions") or [] if c["type"] == "Ready"), {})
+        if ready_cond.get("lastTransitionTime"):
+            status.ready_since = ready_cond["lastTransitionTime"]
         lp = LocalPod(
             namespace=ns, name=name, uid=md["uid"], labels=dict(md.get("labels") or {}),
             node=spec.get("nodeName", ""), pod_ip=pod.get("status", {}).get("podIP", ""),
             container=container["name"], container_port=container_port, port=port, argv=argv,
-            workdir=workdir, proc=proc, mounts=mounts,
+            workdir=workdir, proc=None, mounts=mounts,  # type: ignore[arg-type]  # _spawn sets it
             grace_seconds=min(float(grace if grace is not None else 10), 10.0),
             metrics_path=(md.get("annotations") or {}).get("prometheus.io/path", "/metrics"),
+            env=env, status=status, backoff=BackOff(*self.backoff),
+            readiness=Probe.from_spec(container.get("readinessProbe")),
+            startup=Probe.from_spec(container.get("startupProbe")),
+            termination_policy=container.get("terminationMessagePolicy"),
         )
+        self._spawn(lp)
         self.pods[(ns, name)] = lp
-        self._log.write(f"{time.strftime('%H:%M:%S')} started {ns}/{name} pid={proc.pid} port={port} argv={argv}\n")
+        threading.Thread(target=self._prober, args=(lp,), name=f"probe-{ns}/{name}", daemon=True).start()
+
+    def _spawn(self, lp: LocalPod) -> None:
+        """Start (or restart) the container's process; called from the reconcile thread only (the
+        processes die with the thread that started them)."""
+        log_path = self.run_dir / f"{lp.namespace}_{lp.name}.log"
+        lp.log_offset = log_path.stat().st_size if log_path.exists() else 0
+        lp.proc = ManagedProcess(f"{lp.namespace}/{lp.name}", lp.argv, log_path, env=lp.env, cwd=lp.workdir,
+                                 die_with_parent=True)
+        lp.run += 1
+        st = lp.status
+        st.container_id = f"local://{lp.proc.pid}"
+        st.running_since, st.terminated, st.waiting = rfc3339(), None, None
+        st.started = st.ready = False
+        st.ever_started = True
+        lp.exited = lp.finished = None
+        self._log.write(f"{time.strftime('%H:%M:%S')} started {lp.namespace}/{lp.name} pid={lp.proc.pid} "
+                        f"port={lp.port} restarts={st.restart_count} argv={lp.argv}\n")
+
+    def _tend(self, lp: LocalPod) -> None:
+        """The kubelet's part for a container that exits: record how it ended, then restart it at
+        once the first time, after the back-off (CrashLoopBackOff) the times after."""
+        st = lp.status
+        code = lp.proc.popen.poll()
+        if st.running_since is not None and code is not None:
+            lp.finished = time.monotonic()
+            finished_at = rfc3339()
+            lp.proc.stop(timeout=0.5)  # what is left of its process group; closes the log
+            exit_code = code if code >= 0 else 128 - code
+            message = termination_message(lp.log_path, lp.log_offset, exit_code, lp.termination_policy)
+            lp.exited = terminated_state(exit_code, message, st.running_since, finished_at, st.container_id)
+            st.running_since, st.terminated, st.ready, st.started = None, lp.exited, False, False
+            self._log.write(f"{time.strftime('%H:%M:%S')} exited {lp.namespace}/{lp.name} code={exit_code} "
+                            f"restarts={st.restart_count}\n")
+            return  # reported as terminated first; the restart decision is the next poll's
+        if st.running_since is None and lp.finished is not None:
+            if lp.backoff.in_backoff_since(lp.finished, time.monotonic()):
+                st.terminated, st.last_terminated = None, lp.exited
+                st.waiting = {"reason": "CrashLoopBackOff", "message":
+                              f"back-off {go_duration(lp.backoff.current)} restarting failed "
+                              f"container={lp.container} pod={lp.name}_{lp.namespace}({lp.uid})"}
+                return
+            lp.backoff.next(lp.finished)
+            st.last_terminated = lp.exited
+            st.restart_count += 1
+            self._spawn(lp)
+
+    def _report(self, lp: LocalPod) -> None:
+        """Patch pods/status when what the node reports has changed."""
+        patch = lp.status.patch()
+        text = json.dumps(patch, sort_keys=True)
+        if text == lp.last_patch:
+            return
+        try:
+            self._call(self._api.patch_namespaced_pod_status, lp.name, lp.namespace, patch,
+                       _content_type="application/strategic-merge-patch+json")
+        except _NotFound:
+            return
+        lp.last_patch = text
+
+    def _prober(self, lp: LocalPod) -> None:
+        """The kubelet's prober for one container: startup probe, then readiness (see the module doc)."""
+        successes = failures = 0
+        run = 0
+        while not lp.stopping.is_set():
+            st = lp.status
+            if run != lp.run:  # a new run starts unready
+                run, successes, failures = lp.run, 0, 0
+            if st.running_since is None or not lp.alive():
+                lp.stopping.wait(self.probe_interval)
+                continue
+            if not st.started:
+                if lp.startup is not None and not lp.startup.check(lp.port):
+                    lp.stopping.wait(self.probe_interval)
+                    continue
+                if run == lp.run:
+                    st.started = True
+            if lp.readiness is None:
+                ok = True
+            else:
+                ok = lp.readiness.check(lp.port)
+            successes, failures = (successes + 1, 0) if ok else (0, failures + 1)
+            if run == lp.run and st.running_since is not None:
+                if ok and successes >= (lp.readiness.success_threshold if lp.readiness else 1):
+                    st.ready = True
+                elif not ok and (not st.ready or failures >= lp.readiness.failure_threshold):
+                    st.ready = False
+            period = lp.readiness.period if (lp.readiness and st.ready) else self.probe_interval
+            lp.stopping.wait(period)
 
     def _stop_pods(self, keys: list[tuple[str, str]], why: str) -> None:
         """SIGTERM all their process groups at once, SIGKILL what is left after the grace period."""
@@ -356,6 +536,9 @@ class PodNode:
         if not lps:
             return
         for lp in lps:
+            lp.stopping.set()  # ends its prober
+            if lp.exited is not None:
+                continue  # exited and reaped already: its pid may belong to someone else by now
             try:
                 os.killpg(lp.proc.pid, signal.SIGTERM)
             except (ProcessLookupError, PermissionError):
@@ -364,13 +547,19 @@ class PodNode:
         while time.monotonic() < deadline and any(lp.proc.popen.poll() is None for lp in lps):
             time.sleep(0.05)
         for lp in lps:
-            lp.proc.stop(timeout=0.5)  # SIGKILLs leftovers of the group, reaps, closes the log
+            if lp.exited is None:  # (else `_tend` has stopped and reaped it)
+                lp.proc.stop(timeout=0.5)  # SIGKILLs leftovers of the group, reaps, closes the log
             self._log.write(f"{time.strftime('%H:%M:%S')} stopped {lp.namespace}/{lp.name} ({why}), "
                             f"rc={lp.returncode}\n")
 
     def _translate(self, pod: dict, container: dict, argv: list[str]) -> list[str]:
         if self.translate is not None:
             return list(self.translate(pod, container, argv))
+        return self.default_translate(argv)
+
+    def default_translate(self, argv: list[str]) -> list[str]:
+        """`command_map`, then ``python`` -> this interpreter, then PATH with this venv first (what a
+        `translate` function may fall back to)."""
         head, rest = argv[0], argv[1:]
         if head in self.command_map:
             return list(self.command_map[head]) + rest
