@@ -1,9 +1,11 @@
 """The operator against the real control plane (issue 4, section 5).
 
 The operator runs as a subprocess (`kvtune operator run`) watching only this module's namespaces,
-so it never touches objects of other tests sharing the session's cluster. Without the pod node,
-kwok marks the engine pods Running/Ready and nothing runs in them; `test_engine_pod_applies_live_knobs`
-uses the pod node to run a real engine on a tiny model.
+so it never touches objects of other tests sharing the session's cluster. A pod is Ready only when
+its container answers its readiness probe (the pod node plays the kubelet), so the engine pods of
+`opns` run a stand-in that answers /health (`health_server.py`): these tests are about the operator,
+and `kvtune serve` would not start on their model path. `test_engine_pod_applies_live_knobs` runs a
+real engine on a tiny model.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_NAME = "inferencedeployments.kvtune.io"
+HEALTH_SERVER = Path(__file__).with_name("health_server.py")
 SELECTOR = "app.kubernetes.io/instance={},app.kubernetes.io/name=kvtune-engine"
 
 
@@ -109,11 +112,22 @@ def _make_namespace(controlplane, prefix: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def opns(controlplane, crd):
-    """The namespace this module's operator watches."""
+def opns(controlplane, crd, pod_node):
+    """The namespace this module's operator watches; its engine pods run `health_server.py`."""
     name = _make_namespace(controlplane, "op")
-    yield name
-    controlplane.kubectl("delete", "namespace", name, "--wait=false", check=False)
+    before = pod_node.translate
+
+    def stand_in(pod, container, argv):
+        if pod["metadata"]["namespace"] == name:
+            return [sys.executable, str(HEALTH_SERVER)]
+        return before(pod, container, argv) if before else pod_node.default_translate(argv)
+    pod_node.translate = stand_in
+    try:
+        with pod_node.restricted_to(name):
+            yield name
+    finally:
+        pod_node.translate = before
+        controlplane.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 @pytest.fixture(scope="module")
@@ -448,30 +462,36 @@ def test_engine_pod_applies_live_knobs(controlplane, crd, pod_node, tmp_path_fac
     op = OperatorProcess(controlplane.subprocess_env(), [ns],
                          tmp_path_factory.mktemp("operator-engine") / "operator.log").start()
     try:
-        controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd_yaml(
-            "live", model={"path": str(model), "servedModelName": "tiny"}, resources={"gpus": 0},
-            engine={"maxNumSeqs": 8, "maxModelLen": 256, "maxNumBatchedTokens": 256, "kvCacheMemoryGiB": 0.01,
-                    "swapSpaceGiB": 0}))
-        labels = {"kvtune.io/inference-deployment": "live"}
+        with pod_node.restricted_to(ns):  # this test's engine only
+            controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd_yaml(
+                "live", model={"path": str(model), "servedModelName": "tiny"}, resources={"gpus": 0},
+                engine={"maxNumSeqs": 8, "maxModelLen": 256, "maxNumBatchedTokens": 256, "kvCacheMemoryGiB": 0.01,
+                        "swapSpaceGiB": 0}))
+            labels = {"kvtune.io/inference-deployment": "live"}
 
-        def started():
-            pods = [p for p in pod_node.pods.values() if p.namespace == ns]
-            for p in pods:
-                assert p.returncode is None, f"engine exited {p.returncode}:\n{p.log_path.read_text()[-3000:]}"
-            return pod_node.wait_for_selector(ns, labels, count=1, timeout=1) if pods else None
-        local = eventually(started, timeout=180, interval=1, what="the engine pod's process to listen")[0]
-        url = local.url
+            def started():
+                pods = [p for p in pod_node.pods.values() if p.namespace == ns]
+                for p in pods:
+                    assert p.returncode is None, f"engine exited {p.returncode}:\n{p.log_path.read_text()[-3000:]}"
+                return pod_node.wait_for_selector(ns, labels, count=1, timeout=1) if pods else None
+            local = eventually(started, timeout=180, interval=1, what="the engine pod's process to listen")[0]
+            url = local.url
 
-        def config():
-            with urllib.request.urlopen(f"{url}/kvtune/v1/config", timeout=5) as r:
-                return json.loads(r.read())["config"]
-        assert eventually(lambda: config()["max_num_seqs"] == 8, timeout=60, what="the engine to run maxNumSeqs 8")
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
-            assert json.loads(r.read())["data"][0]["id"] == "tiny"
-        controlplane.kubectl("patch", "infd", "live", "-n", ns, "--type=merge", "-p",
-                             '{"spec":{"engine":{"maxNumSeqs":4}}}')
-        eventually(lambda: config()["max_num_seqs"] == 4, timeout=60, what="the live knob to reach the engine")
-        assert pod_node.wait_for_selector(ns, labels, count=1)[0] is local and local.alive()  # no restart
+            def config():
+                with urllib.request.urlopen(f"{url}/kvtune/v1/config", timeout=5) as r:
+                    return json.loads(r.read())["config"]
+            assert eventually(lambda: config()["max_num_seqs"] == 8, timeout=60, what="the engine to run maxNumSeqs 8")
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+                assert json.loads(r.read())["data"][0]["id"] == "tiny"
+            controlplane.kubectl("patch", "infd", "live", "-n", ns, "--type=merge", "-p",
+                                 '{"spec":{"engine":{"maxNumSeqs":4}}}')
+            eventually(lambda: config()["max_num_seqs"] == 4, timeout=60, what="the live knob to reach the engine")
+            assert pod_node.wait_for_selector(ns, labels, count=1)[0] is local and local.alive()  # no restart
+            # the pod is Ready (its engine answers /health), never restarted; the resource says so
+            wait_ready(controlplane, "live", ns, op)
+            pod = get(controlplane, "pod", local.name, ns)
+            assert condition(pod, "Ready")["status"] == "True"
+            assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
     finally:
         op.stop()
         controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
