@@ -99,7 +99,7 @@ def run_kvtune(model_dir: Path, reqs, *, threads: int, budget: int, max_seqs: in
     import torch
 
     from kvtune_engine.core.request import SamplingParams
-    from kvtune_engine.engine import LLM
+    from kvtune_engine.llm import LLM
     torch.set_num_threads(threads)
     max_len = max(len(p) + o for p, o in reqs) + 16
     kv_tokens = sum(len(p) + o + 16 for p, o in reqs)

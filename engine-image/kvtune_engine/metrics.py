@@ -30,7 +30,7 @@ BLOCK_STATES = ("free", "used", "cached", "reserved")
 REQUEST_STATES = ("running", "waiting", "swapped")
 PREEMPTION_MODES = ("swap", "recompute")
 MEMORY_KINDS = ("weights", "activations_peak", "kv_cache", "swap", "device_total")
-FINISH_REASONS = ("stop", "length", "abort", "rejected")
+FINISH_REASONS = ("stop", "length", "abort", "rejected", "error")
 
 # Buckets: vLLM's for the latency histograms (so vLLM dashboards' quantiles mean the same thing).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,

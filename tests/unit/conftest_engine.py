@@ -43,10 +43,11 @@ def set_test_threads() -> None:
 
 
 def build_engine(model_dir: Path, **flags: Any):
-    from kvtune_engine.engine import LLMEngine
+    from kvtune_engine.builder import build_engine as build
     set_test_threads()
-    cfg = EngineConfig.build(**{**TEST_FLAGS, **flags})
-    return LLMEngine.from_model_dir(str(model_dir), cfg, device="cpu", seed=0)
+    # a flag given as None is left unset (the engine's default, e.g. max_model_len from the model)
+    cfg = EngineConfig.build(**{k: v for k, v in {**TEST_FLAGS, **flags}.items() if v is not None})
+    return build(str(model_dir), cfg, device="cpu", seed=0)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Srv:
     url: str            # http://127.0.0.1:PORT
     engine: Any
     app: Any
+    admin_key: str | None = None   # sent on the admin API by state() and wait_idle()
 
     @property
     def v1(self) -> str:
@@ -69,7 +71,8 @@ class Srv:
             return r.read().decode()
 
     def state(self) -> dict:
-        return self.get_json("/kvtune/v1/state")
+        return self.get_json("/kvtune/v1/state",
+                             {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else None)
 
     def wait_idle(self, timeout: float = 20.0) -> dict:
         """Wait until nothing runs or waits; return the state then."""
@@ -86,7 +89,10 @@ class Srv:
 
 @contextlib.contextmanager
 def run_server(model_dir: Path, *, api_key: str | None = None, max_waiting: int | None = None,
-               config_file: str | Path | None = None, watch_interval_s: float = 0.1, **flags: Any):
+               config_file: str | Path | None = None, watch_interval_s: float = 0.1, host: str = "127.0.0.1",
+               server_settings: dict[str, Any] | None = None, **flags: Any):
+    """``host``: the address to bind (``0.0.0.0`` to be reached on a non-loopback address too);
+    ``server_settings``: more ServerSettings fields (admin_key, max_body_bytes, ...)."""
     import uvicorn
 
     from kvtune_engine.server.app import ServerSettings, create_app
@@ -97,11 +103,12 @@ def run_server(model_dir: Path, *, api_key: str | None = None, max_waiting: int 
     if config_file is not None:
         watcher = ConfigFileWatcher(config_file, interval_s=watch_interval_s)
         watcher.prime(ConfigFileWatcher.digest(config_file))
-    app = create_app(engine, ServerSettings(api_key=api_key, max_waiting=max_waiting, model_dir=str(model_dir)),
+    app = create_app(engine, ServerSettings(api_key=api_key, max_waiting=max_waiting, model_dir=str(model_dir),
+                                            **(server_settings or {})),
                      config_watcher=watcher)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((host, 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
     th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -112,7 +119,7 @@ def run_server(model_dir: Path, *, api_key: str | None = None, max_waiting: int 
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.02)
     try:
-        yield Srv(f"http://127.0.0.1:{port}", engine, app)
+        yield Srv(f"http://127.0.0.1:{port}", engine, app, (server_settings or {}).get("admin_key"))
     finally:
         server.should_exit = True
         th.join(15)

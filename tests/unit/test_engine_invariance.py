@@ -8,7 +8,7 @@ import pytest
 from conftest_engine import build_engine, tiny_llama  # noqa: F401  (fixture)
 
 from kvtune_engine.core.request import SamplingParams
-from kvtune_engine.engine import LLM
+from kvtune_engine.llm import LLM
 
 BYTES_PER_BLOCK = 16 * 512  # block_size 16 x (2 layers x 2 (K,V) x 2 kv heads x 16 dims x 4 bytes)
 

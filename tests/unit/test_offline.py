@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from conftest_engine import TEST_FLAGS, tiny_llama  # noqa: F401  (fixture)
 
 from kvtune_engine.core.request import SamplingParams
-from kvtune_engine.engine import LLM, InvalidRequest
+from kvtune_engine.engine import InvalidRequest
+from kvtune_engine.llm import LLM
 
 
 @pytest.fixture(scope="module")

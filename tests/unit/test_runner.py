@@ -91,7 +91,7 @@ def test_greedy_and_degenerate_filters_pick_the_argmax():
     torch.manual_seed(0)
     logits = torch.randn(4, 50)
     s = Sampler(seed=0)
-    ids, lps = s(logits, [req(temperature=0.0), req(temperature=1.0, top_k=1), req(temperature=2.0, top_p=1e-6),
+    ids, lps, _ = s(logits, [req(temperature=0.0), req(temperature=1.0, top_k=1), req(temperature=2.0, top_p=1e-6),
                           req(temperature=0.0)])
     assert ids == logits.argmax(-1).tolist() and lps is None
 
@@ -99,11 +99,11 @@ def test_greedy_and_degenerate_filters_pick_the_argmax():
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
     s = Sampler(seed=1)
-    ids, _ = s(logits, [req(temperature=1.0, top_k=2) for _ in range(400)])
+    ids, _, _ = s(logits, [req(temperature=1.0, top_k=2) for _ in range(400)])
     assert set(ids) == {0, 1}
-    ids, _ = s(logits, [req(temperature=1.0, top_p=0.7) for _ in range(400)])  # 0.5 + 0.3 reach 0.7
+    ids, _, _ = s(logits, [req(temperature=1.0, top_p=0.7) for _ in range(400)])  # 0.5 + 0.3 reach 0.7
     assert set(ids) == {0, 1}
-    ids, _ = s(logits, [req(temperature=1.0) for _ in range(400)])
+    ids, _, _ = s(logits, [req(temperature=1.0) for _ in range(400)])
     assert set(ids) == {0, 1, 2, 3}
     freq0 = ids.count(0) / 400
     assert abs(freq0 - 0.5) < 0.1
@@ -118,7 +118,7 @@ def test_seeded_requests_do_not_depend_on_the_batch():
         r = req(temperature=1.0, seed=42)
         out = []
         for _ in range(5):  # the request's generator advances step by step
-            ids, _ = s(logits[rows], [r if i == 0 else req(temperature=1.0) for i in range(len(rows))])
+            ids, _, _ = s(logits[rows], [r if i == 0 else req(temperature=1.0) for i in range(len(rows))])
             out.append(ids[0])
         return out
 
@@ -131,7 +131,7 @@ def test_logprobs_top_n_of_the_raw_distribution():
     torch.manual_seed(0)
     logits = torch.randn(3, 30)
     s = Sampler(seed=0)
-    ids, lps = s(logits, [req(temperature=0.0, logprobs=3), req(temperature=0.5), req(temperature=0.7, logprobs=0)])
+    ids, lps, _ = s(logits, [req(temperature=0.0, logprobs=3), req(temperature=0.5), req(temperature=0.7, logprobs=0)])
     ref = torch.log_softmax(logits, -1)
     assert lps[1] is None
     assert lps[0].token_id == ids[0] and math.isclose(lps[0].logprob, ref[0, ids[0]].item(), abs_tol=1e-6)

@@ -70,8 +70,11 @@ def test_chat_prompt_too_long(srv):
 
 @pytest.mark.parametrize("field,value", [
     ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -3), ("max_tokens", 0),
-    ("max_tokens", -1), ("logprobs", 50), ("stop_token_ids", [10**7]), ("n", 3), ("seed", "abc"),
-    ("temperature", "hot"), ("stop", 5), ("presence_penalty", 0.5),
+    ("max_tokens", -1), ("logprobs", 50), ("stop_token_ids", [10**7]), ("n", 0), ("n", 1000), ("seed", "abc"),
+    ("temperature", "hot"), ("stop", 5), ("presence_penalty", 2.5), ("frequency_penalty", -3),
+    ("repetition_penalty", 0), ("min_tokens", 4), ("min_tokens", -1), ("logit_bias", {"999999": 1}),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}), ("seed", 2**64), ("seed", -2**63 - 1),
+    ("seed", 2**63), ("top_k", 2**40), ("best_of", 2), ("suffix", "tail"),
 ])
 def test_invalid_sampling_field(srv, field, value):
     r = post(srv, "/v1/completions", json={"prompt": "hello", "max_tokens": 3, field: value})

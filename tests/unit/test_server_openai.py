@@ -44,7 +44,7 @@ def test_greedy_is_deterministic_and_matches_offline(client, srv, tiny_llama):  
     b = client.completions.create(**kw).choices[0].text
     assert a == b
     from kvtune_engine.core.request import SamplingParams
-    from kvtune_engine.engine import LLM
+    from kvtune_engine.llm import LLM
     from conftest_engine import build_engine
     llm = LLM.from_engine(build_engine(tiny_llama))
     (out,) = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))

@@ -50,6 +50,8 @@ class StepOutput:
     tokens: list[int | None]
     duration_s: float
     logprobs: list[object | None] | None = None  # runner-specific (top-N per sampled token)
+    # batch.seqs index -> why sampling failed for that request alone (its token is a placeholder)
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class Runner(Protocol):

@@ -18,6 +18,11 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"      # max_tokens or max_model_len reached
     ABORT = "abort"        # client went away
     REJECTED = "rejected"  # can never fit; see Request.error
+    ERROR = "error"        # an internal error while handling this request only; see Request.error
+
+
+#: Temperatures below this are greedy (dividing logits by a denormal overflows to inf/nan).
+GREEDY_EPS = 1e-5
 
 
 @dataclass
@@ -32,10 +37,21 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per sampled token
+    presence_penalty: float = 0.0     # OpenAI: subtracted once from each token already in the output
+    frequency_penalty: float = 0.0    # OpenAI: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0   # vLLM/HF: logits of prompt and output tokens divided (>0) or multiplied
+    min_tokens: int = 0               # end-of-sequence and stop token ids are masked until this many outputs
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler has to change this request's logits before choosing a token."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
 
 _ids = itertools.count()
@@ -49,6 +65,7 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     eos_token_id: int | None = None
     prefix_group: str | None = None  # trace shape only (never text)
+    cache_salt: str | None = None    # requests with different salts never share prefix-cache blocks
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

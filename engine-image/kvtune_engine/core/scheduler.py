@@ -32,6 +32,22 @@ class RequestRejected(ValueError):
     """The request can never be scheduled under this engine's limits; the message says which."""
 
 
+def prompt_rejection(n: int, max_model_len: int, num_blocks: int, block_size: int) -> str | None:
+    """Why a prompt of `n` tokens can never be scheduled, or None: the one prompt-length rule (the
+    engine's input processing applies it before queueing, the simulator through add_request)."""
+    if n == 0:
+        return "empty prompt"
+    if n + 1 > max_model_len:
+        return (f"prompt of {n} tokens + 1 output token exceeds max_model_len {max_model_len} "
+                f"(the longest prompt + output this engine serves)")
+    need = -(-(n + 1) // block_size)
+    if need > num_blocks:
+        return (f"prompt of {n} tokens + 1 output token needs {need} KV blocks of {block_size} tokens; "
+                f"the whole cache has {num_blocks} blocks ({num_blocks * block_size} tokens): the prompt does "
+                f"not fit the whole KV cache")
+    return None
+
+
 class _Seq(ScheduledSeq):
     """A running request's batch entry, kept and reused from step to step: a Batch's entries
     keep what was scheduled until the next schedule(). Between steps computed ==
@@ -63,17 +79,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Request) -> None:
-        n, bs, cfg = req.num_tokens, self.block_size, self.config
-        why = None
-        if n == 0:
-            why = "empty prompt"
-        elif n + 1 > cfg.max_model_len:
-            why = (f"prompt of {n} tokens + 1 output token exceeds max_model_len {cfg.max_model_len}")
-        elif -(-(n + 1) // bs) > self.num_blocks:
-            why = (f"prompt of {n} tokens + 1 output token needs {-(-(n + 1) // bs)} KV blocks of "
-                   f"{bs} tokens; the whole cache has {self.num_blocks} blocks "
-                   f"({self.num_blocks * bs} tokens)")
-        elif req.request_id in self.requests:
+        why = prompt_rejection(req.num_tokens, self.config.max_model_len, self.num_blocks, self.block_size)
+        if why is None and req.request_id in self.requests:
             why = f"duplicate request id {req.request_id}"
         if why is not None:
             req.status, req.finish_reason, req.error = FINISHED, FinishReason.REJECTED, why

@@ -5,7 +5,8 @@ tokens it has been given slots for (the scheduler keeps that at ceil(computed / 
 steps); a swapped request has a host table instead, never both.
 
 Prefix cache: the key of full block i of a prompt is sha256(key of block i-1 + token ids of block i)
-(32 bytes; block 0 chains from a fixed root). A chained cryptographic hash is collision-safe: two
+(32 bytes; block 0 chains from a fixed root, or from sha256(root + cache_salt) for a request with a
+``cache_salt``, so requests with different salts never share a block). A chained cryptographic hash is collision-safe: two
 blocks share a key only if they and every block before them hold the same tokens. Only full prompt
 blocks are keyed, and a block is published only after the step that computed it (see `commit`), so
 a hit never reads a block that is still being written.
@@ -22,8 +23,8 @@ _ROOT = b"kvtune-prefix-root"
 _sha256 = hashlib.sha256
 
 
-def block_keys(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chained keys of the full blocks of `token_ids`."""
+def block_keys(token_ids: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
+    """Chained keys of the full blocks of `token_ids` (a salt starts its own chain)."""
     n = len(token_ids) // block_size
     if n == 0:
         return []
@@ -34,7 +35,7 @@ def block_keys(token_ids: list[int], block_size: int) -> list[bytes]:
         data = array("q", token_ids).tobytes()
         step = 8 * block_size
     keys = []
-    parent = _ROOT
+    parent = _ROOT if salt is None else _sha256(_ROOT + salt.encode("utf-8", "surrogatepass")).digest()
     for off in range(0, n * step, step):
         parent = _sha256(parent + data[off:off + step]).digest()
         keys.append(parent)
@@ -60,7 +61,7 @@ class KVManager:
     def keys(self, req: Request) -> list[bytes]:
         k = self._keys.get(req)
         if k is None:
-            k = self._keys[req] = block_keys(req.prompt_token_ids, self.block_size)
+            k = self._keys[req] = block_keys(req.prompt_token_ids, self.block_size, req.cache_salt)
         return k
 
     def cached_prefix(self, req: Request) -> list[int]:

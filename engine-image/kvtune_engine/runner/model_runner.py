@@ -220,19 +220,21 @@ class ModelRunner:
         seqs = batch.seqs
         tokens: list[int | None] = [None] * len(seqs)
         logprobs = None
+        failed: dict[int, str] = {}
         if seqs:
             ids, pos, meta, _, rows = self.prepare(seqs)
             hidden = self.model(ids, pos, self.kv_caches, meta)
             sampled = [i for i, s in enumerate(seqs) if s.sample]
             if sampled:
                 logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-                ids_out, lps = self.sampler(logits, [seqs[i].request for i in sampled])
+                ids_out, lps, bad = self.sampler(logits, [seqs[i].request for i in sampled])
                 for i, t in zip(sampled, ids_out):
                     tokens[i] = t
+                failed = {sampled[j]: why for j, why in bad.items()}
                 if lps is not None:
                     logprobs = [None] * len(seqs)
                     for i, lp in zip(sampled, lps):
                         logprobs[i] = lp
         elif self.device.type == "cuda" and (batch.swap_out or batch.swap_in or batch.copy):
             torch.cuda.synchronize(self.device)
-        return StepOutput(tokens=tokens, duration_s=time.perf_counter() - t0, logprobs=logprobs)
+        return StepOutput(tokens=tokens, duration_s=time.perf_counter() - t0, logprobs=logprobs, failed=failed)

@@ -1,27 +1,27 @@
 """Per-request sampling for a whole batch in a few tensor ops.
 
-Rows differ in temperature, top_k, top_p, seed and logprobs; each filter runs once over the rows
-that need it. Sampling uses the exponential-race trick (argmax of p / E with E ~ Exp(1)), so a
-seeded request draws its noise from its own torch.Generator, exactly V numbers per token: its
-output depends on its seed only, never on which other requests share the batch. Logprobs are those
-of the model's raw distribution (before temperature and filters), as vLLM reports them.
+Rows differ in temperature, top_k, top_p, seed, penalties, logit bias, min_tokens and logprobs;
+each filter runs once over the rows that need it. Sampling uses the exponential-race trick (argmax
+of p / E with E ~ Exp(1)), so a seeded request draws its noise from its own torch.Generator,
+exactly V numbers per token: its output depends on its seed only, never on which other requests
+share the batch. Logprobs are those of the model's raw distribution (before penalties, bias,
+temperature and filters), as vLLM reports them by default.
+
+Invariant owned here: one request's parameters can fail only that request. When the batched
+path raises, every row is sampled on its own and a row that still raises is reported in
+``failed`` (its token is a placeholder the engine never shows); the other rows are unaffected.
 """
 from __future__ import annotations
 
+import logging
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 
 from ..core.request import Request, SamplingParams
+from ..outputs import TokenLogprob
 
-
-@dataclass(slots=True)
-class TokenLogprob:
-    """The sampled token's logprob and the top-N alternatives, best first (engine's field names)."""
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
+log = logging.getLogger("kvtune.sampler")
 
 
 class Sampler:
@@ -43,15 +43,43 @@ class Sampler:
             self._gens[req] = g
         return g
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None] | None]:
-        """logits [N, V] float32, one row per request -> sampled ids (and logprobs where asked)."""
+    def __call__(self, logits: torch.Tensor, requests: list[Request]
+                 ) -> tuple[list[int], list[TokenLogprob | None] | None, dict[int, str]]:
+        """logits [N, V] float32, one row per request -> (sampled ids, logprobs where asked, failed rows)."""
+        try:
+            ids, lps = self._sample(logits, requests)
+            return ids, lps, {}
+        except Exception:  # noqa: BLE001 - find the row(s) at fault; the others must go on
+            log.exception("batched sampling failed; sampling the %d rows one by one", len(requests))
+        ids: list[int] = []
+        lps: list[TokenLogprob | None] = []
+        failed: dict[int, str] = {}
+        for i, req in enumerate(requests):
+            try:
+                (t,), lp = self._sample(logits[i:i + 1], [req])
+                ids.append(t)
+                lps.append(lp[0] if lp else None)
+            except Exception as e:  # noqa: BLE001
+                log.exception("sampling failed for request %s", req.request_id)
+                failed[i] = f"sampling failed: {type(e).__name__}: {e}"
+                ids.append(0)
+                lps.append(None)
+        return ids, (lps if any(lp is not None for lp in lps) else None), failed
+
+    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None] | None]:
         params: list[SamplingParams] = [r.sampling for r in requests]
         n, vocab = logits.shape
-        greedy = [p.temperature <= 0.0 or p.top_k == 1 for p in params]
-        tokens = logits.argmax(dim=-1)
+        processed = logits
+        proc_rows = [i for i, p in enumerate(params) if p.processes_logits]
+        if proc_rows:
+            processed = logits.clone()
+            for i in proc_rows:
+                self._process_row(processed[i], requests[i])
+        greedy = [p.greedy or p.top_k == 1 for p in params]
+        tokens = processed.argmax(dim=-1)
         rows = [i for i in range(n) if not greedy[i]]
         if rows:
-            tokens[rows] = self._sample_rows(logits[rows], [requests[i] for i in rows], vocab)
+            tokens[rows] = self._sample_rows(processed[rows], [requests[i] for i in rows], vocab)
         ids = tokens.tolist()
         want = [p.logprobs is not None for p in params]
         if not any(want):
@@ -67,6 +95,29 @@ class Sampler:
             top = list(zip(top_i[j, :k].tolist(), top_v[j, :k].tolist())) if k else []
             out[i] = TokenLogprob(ids[i], chosen[j], top)
         return ids, out
+
+    def _process_row(self, row: torch.Tensor, req: Request) -> None:
+        """Penalties, logit bias and min_tokens, in place on one row (vLLM's order and meanings)."""
+        p = req.sampling
+        out_ids = req.output_token_ids
+        dev = row.device
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(req.prompt_token_ids) | set(out_ids)), dtype=torch.int64, device=dev)
+            v = row[seen]
+            row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and out_ids:
+            counts = torch.bincount(torch.tensor(out_ids, dtype=torch.int64, device=dev),
+                                    minlength=row.shape[0])[:row.shape[0]].to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        if p.logit_bias:
+            idx = torch.tensor(list(p.logit_bias), dtype=torch.int64, device=dev)
+            row[idx] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=dev)
+        if p.min_tokens and len(out_ids) < p.min_tokens:
+            stops = set(p.stop_token_ids)
+            if req.eos_token_id is not None and not p.ignore_eos:
+                stops.add(req.eos_token_id)
+            if stops:
+                row[torch.tensor(sorted(stops), dtype=torch.int64, device=dev)] = float("-inf")
 
     def _sample_rows(self, logits: torch.Tensor, requests: list[Request], vocab: int) -> torch.Tensor:
         params = [r.sampling for r in requests]

@@ -4,6 +4,11 @@ HTTP handlers (asyncio) -> a thread-safe command queue -> the engine thread (add
 calls, then one ``engine.step()``) -> outputs delivered to each request's ``asyncio.Queue`` with
 one ``call_soon_threadsafe`` per step. Every mutation of the engine happens on the engine thread;
 scrapes and the admin API read under ``engine.lock``.
+
+Invariant owned here: an error in one command (add, abort, call) fails that command alone; an
+error in ``engine.step()`` itself cannot be pinned on one request, so the loop stops, every stream
+gets the error, and ``on_fatal`` is called (the server exits non-zero and Kubernetes restarts the
+pod) instead of answering 503 forever.
 """
 from __future__ import annotations
 
@@ -17,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.request import SamplingParams
-from ..engine import InvalidRequest, LLMEngine, RequestOutput
+from ..engine import InvalidRequest, LLMEngine
+from ..outputs import RequestOutput
 
 log = logging.getLogger("kvtune.server")
 
@@ -48,8 +54,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None):
+    def __init__(self, engine: LLMEngine, *, max_waiting: int | None = None,
+                 on_fatal: Callable[[BaseException], None] | None = None):
         self.engine = engine
+        self.on_fatal = on_fatal
         self.max_waiting = max_waiting
         self._cmds: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -82,8 +90,9 @@ class AsyncEngine:
         """Waiting requests, counting those handed over but not yet taken by the engine thread."""
         return self.engine.num_waiting + self._pending_adds
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
-        """Queue a request already checked by ``engine.check_prompt``; returns its output stream."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str,
+               cache_salt: str | None = None) -> RequestStream:
+        """Queue a request already checked by ``engine.inputs.process``; returns its output stream."""
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", field="request_id")
         stream = RequestStream(request_id)
@@ -92,7 +101,7 @@ class AsyncEngine:
             self._pending_adds += 1
         # the request's clock starts now, not when the engine thread next takes it in: queue time and
         # TTFT include the wait for the step in flight, as a client sees them
-        self._cmds.put(("add", (prompt_ids, params, request_id, self.engine.clock())))
+        self._cmds.put(("add", (prompt_ids, params, request_id, self.engine.clock(), cache_salt)))
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -143,15 +152,23 @@ class AsyncEngine:
     def _handle(self, kind: str, payload: Any, posts: list) -> None:
         eng = self.engine
         if kind == "add":
-            prompt_ids, params, rid, arrival_s = payload
+            prompt_ids, params, rid, arrival_s, salt = payload
             with self._pending_lock:
                 self._pending_adds -= 1
             try:
-                eng.add_request(prompt_ids, params, request_id=rid, arrival_s=arrival_s)
+                eng.add_request(prompt_ids, params, request_id=rid, arrival_s=arrival_s, cache_salt=salt,
+                                checked=True)
             except InvalidRequest as e:
                 posts.append((rid, e))
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                log.exception("adding request %s failed", rid)
+                eng.abort(rid)
+                posts.append((rid, RuntimeError(f"internal error while queueing this request: {e}")))
         elif kind == "abort":
-            eng.abort(payload)
+            try:
+                eng.abort(payload)
+            except Exception:  # noqa: BLE001
+                log.exception("aborting request %s failed", payload)
         elif kind == "call":
             fn, fut = payload
             if fut.set_running_or_notify_cancel():
@@ -200,3 +217,5 @@ class AsyncEngine:
                     break
                 if kind == "call":
                     payload[1].set_exception(RuntimeError(f"engine loop failed: {e}"))
+            if self.on_fatal is not None:
+                self.on_fatal(e)

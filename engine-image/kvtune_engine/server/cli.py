@@ -66,6 +66,15 @@ def _port(port: int | None) -> int:
               help=f"Port (default: $KVTUNE_PORT, else {DEFAULT_PORT}).")
 @click.option("--api-key", default=None,
               help="Require this bearer key on /v1 (default: $KVTUNE_API_KEY or $VLLM_API_KEY).")
+@click.option("--admin-key", default=None,
+              help="Require this bearer key on the admin API /kvtune/v1/* (default: $KVTUNE_ADMIN_KEY); "
+                   "without one the admin API answers only on loopback. The --api-key never opens it.")
+@click.option("--max-body-mib", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
+              help="Largest request body, MiB; a larger one is refused with 413 before it is parsed.")
+@click.option("--enable-prompt-tokens-details/--no-enable-prompt-tokens-details", default=False,
+              show_default=True,
+              help="Return usage.prompt_tokens_details.cached_tokens (it tells a client how much of its prompt "
+                   "was cached, so it is off by default: shared caches leak prefixes between users).")
 @click.option("--config-file", type=click.Path(), default=None,
               help="YAML of engine knobs, watched: live knobs apply on change (a mounted ConfigMap).")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=None,
@@ -74,8 +83,8 @@ def _port(port: int | None) -> int:
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str, device_memory: float | None,
           host: str, port: int | None,
-          api_key: str | None, config_file: str | None, max_waiting: int | None, log_level: str,
-          **flags: Any) -> None:
+          api_key: str | None, admin_key: str | None, max_body_mib: float, enable_prompt_tokens_details: bool,
+          config_file: str | None, max_waiting: int | None, log_level: str, **flags: Any) -> None:
     """Serve a model: OpenAI-compatible API, /metrics, and the admin API under /kvtune/v1/."""
     # OpenMP threads that spin at barriers hold the cores their partners need whenever anything else
     # runs (other pods, the server's own threads): small ops then wait out whole time slices. Must be
@@ -115,11 +124,12 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     if device_memory is not None and (device != "cpu" or cfg.kv_cache_memory is not None):
         raise click.UsageError("--device-memory applies to --device cpu without --kv-cache-memory")
     api_key = api_key or os.environ.get("KVTUNE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+    admin_key = admin_key or os.environ.get("KVTUNE_ADMIN_KEY") or None
 
-    from ..engine import LLMEngine
+    from ..builder import build_engine
     try:
-        engine = LLMEngine.from_model_dir(model_dir, cfg, device=device, dtype=dtype,
-                                          served_model_name=served_model_name, device_memory_gib=device_memory)
+        engine = build_engine(model_dir, cfg, device=device, dtype=dtype,
+                              served_model_name=served_model_name, device_memory_gib=device_memory)
     except ConfigError as e:  # the flags do not fit this model and device (sizing)
         raise StartupError(str(e)) from None
     except (ValueError, FileNotFoundError, OSError) as e:
@@ -130,18 +140,33 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     import uvicorn
 
     from .app import ServerSettings, create_app
+    server: uvicorn.Server | None = None
+
+    def on_fatal(e: BaseException) -> None:  # the engine thread died: stop serving, exit non-zero
+        if server is not None:
+            server.should_exit = True
+
     app = create_app(engine, ServerSettings(served_model_names=[engine.model_name], api_key=api_key,
-                                            max_waiting=max_waiting, model_dir=model_dir),
-                     config_watcher=watcher)
+                                            admin_key=admin_key, max_waiting=max_waiting, model_dir=model_dir,
+                                            max_body_bytes=int(max_body_mib * 2**20),
+                                            enable_prompt_tokens_details=enable_prompt_tokens_details),
+                     config_watcher=watcher, on_fatal=on_fatal)
     snap = engine.snapshot()
-    log.info("serving %s on http://%s:%d (device %s, %d KV blocks of %d tokens, %d swap blocks)",
+    log.info("serving %s on http://%s:%d (device %s, %d KV blocks of %d tokens, %d swap blocks, max_model_len %d)",
              engine.model_name, host, port, device, snap["blocks"]["total"], cfg.block_size,
-             snap["swap"]["total"])
+             snap["swap"]["total"], engine.config.max_model_len)
+    if not admin_key:
+        log.info("no --admin-key: the admin API /kvtune/v1/* answers on loopback only")
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
+                                           timeout_graceful_shutdown=5))
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                    timeout_graceful_shutdown=5)
+        server.run()
     except OSError as e:
-        raise StartupError(f"cannot listen on {host}:{port}: {e}") from None
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
+    err = app.state.async_engine.error
+    if err is not None:
+        click.echo(f"Error: the engine loop failed: {type(err).__name__}: {err}", err=True)
+        sys.exit(1)
 
 
 def main() -> None:  # python -m kvtune_engine.server.cli
