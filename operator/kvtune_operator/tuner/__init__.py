@@ -8,7 +8,8 @@ server).
     observation  Observation (one window) from a `kvtune sim --json` summary or from Prometheus-style
                  figures (MetricFigures) + the engine's state, trace and step log
     diagnose     diagnose(obs) -> Diagnosis(cause, message, figures, knob, suggestion)
-    candidates   Bounds, Safety, MemoryPicture, propose(), combine()
+    memory       Safety, MemoryPicture: the measured device memory and what a candidate would get
+    candidates   Bounds, propose(), combine(), restart_lookahead(): every candidate the tuner predicts
     fit          fit_step_cost(): the simulator's step-cost model from the engine's step timings
     predict      Predictor (simulator replays), profile_for()/fitted() (the engine's own profile)
     decide       Objectives, Score, choose(), TunerState (verify / roll back / remember bad candidates)
@@ -17,9 +18,10 @@ server).
 """
 from __future__ import annotations
 
-from .candidates import Bounds, MemoryPicture, Range, Safety
+from .candidates import Bounds, Range
 from .decide import Decision, Objectives, Score, TunerState, Verdict, choose, judge, knob_changes, window_figures
 from .diagnose import CAUSES, Diagnosis, Thresholds, diagnose
+from .memory import MemoryPicture, Safety
 from .fit import StepCostFit, fit_step_cost
 from .loop import Round, SimRun, Tuner, TunerSettings, measure, simulate_loop, split_windows
 from .observation import LengthStats, MetricFigures, Observation, StepSample

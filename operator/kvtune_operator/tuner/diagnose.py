@@ -34,7 +34,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .candidates import CAMEL, Bounds, MemoryPicture, Safety, best_block_size, seq_cap_fit, swap_needed_gib
+from .candidates import CAMEL, Bounds, best_block_size, seq_cap_fit
+from .memory import MemoryPicture, Safety, swap_needed_gib
 from .observation import GiB, Observation
 
 CAUSES = ("SwapFull", "LongPromptHeadOfLine", "SequenceCap", "SharedPrefixPinning", "BlockWaste",
@@ -91,208 +92,275 @@ def _n(x: float) -> str:
     return f"{x:.0f}" if abs(x - round(x)) < 0.05 or x >= 10 else f"{x:.1f}"
 
 
-def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Safety = Safety(),
-             bounds: Bounds | None = None) -> Diagnosis:
-    """Name why requests wait in ``obs``. Suggested values respect ``bounds`` when given."""
-    th = thresholds
-    bounds = bounds or Bounds()
-    cfg = obs.config
-    share = dict(obs.waiting_cause_share)
-    seqs_share = share.get("max_num_seqs", 0.0)
-    budget_share = share.get("token_budget", 0.0)
-    blocks_share = share.get("kv_blocks", 0.0) + share.get("watermark", 0.0)
-    mem = MemoryPicture.from_observation(obs)
-    minutes = obs.window_s / 60 if obs.window_s > 0 else 0.0
-    pre_per_min = obs.preemptions / minutes if minutes else (float(obs.preemptions) if obs.preemptions else 0.0)
-    mem_pressure = blocks_share >= th.blocked_share or pre_per_min >= th.preemptions_per_min
-    common = {
-        "kv_usage": round(obs.kv_usage_mean, 4),
-        "running": round(obs.running_peak, 1),
-        "waiting": round(obs.waiting_peak, 1),
-        "max_num_seqs": cfg.max_num_seqs,
-        "queue_time_p99_s": round(obs.queue_time_p99_s, 4),
-        "waiting_cause_share": {k: round(v, 4) for k, v in share.items()},
-        "preemptions": {"swap": obs.preemptions_swap, "recompute": obs.preemptions_recompute,
-                        "swap_full": obs.swap_full},
-    }
+@dataclass(frozen=True)
+class Window:
+    """What every rule reads of one observation window, computed once."""
+    obs: Observation
+    th: Thresholds
+    safety: Safety
+    bounds: Bounds
+    mem: MemoryPicture | None
+    seqs_share: float
+    budget_share: float
+    blocks_share: float
+    pre_per_min: float
+    common: dict[str, Any]
 
-    # 1. swap space full
-    if obs.swap_full > 0 and (obs.swap_usage_peak >= 0.9 or cfg.swap_space == 0):
-        need = swap_needed_gib(obs, safety)
-        target = float(math.ceil(need)) if need else max(1.0, 2 * cfg.swap_space)
-        target = max(cfg.swap_space, bounds.swap_space.clamp(target))
-        figs = {**common, "swap_full": obs.swap_full, "swap_usage_peak": round(obs.swap_usage_peak, 4),
-                "swap_space_gib": cfg.swap_space, "swap_needed_gib": round(need or 0.0, 2)}
-        msg = (f"Swap space is full: {obs.swap_full} preemptions found the {cfg.swap_space:g} GiB swap pool "
-               f"{_pct(obs.swap_usage_peak)} used and fell back to recompute; raising {CAMEL['swap_space']} "
-               f"to {target:g} holds the observed swap volume.")
-        return Diagnosis("SwapFull", msg, figs, "swap_space", {"swap_space": target})
+    @property
+    def cfg(self):
+        return self.obs.config
 
-    # 2. a long prompt at the queue head
-    L = obs.lengths
-    if L is not None and L.count and (budget_share >= th.blocked_share or blocks_share >= th.blocked_share):
-        long_vs_median = L.prompt_max >= th.long_prompt_ratio * max(1.0, L.prompt_p50)
-        long_vs_budget = L.prompt_max >= th.long_prompt_budget_share * cfg.max_num_batched_tokens
-        big_head = budget_share >= th.blocked_share or (
-            not cfg.enable_chunked_prefill and blocks_share >= th.blocked_share
-            and obs.kv_usage_mean < th.seq_cap_kv_usage)
-        if long_vs_median and long_vs_budget and big_head:
-            limit = "token budget" if budget_share >= blocks_share else "free KV blocks"
-            stuck = max(budget_share, blocks_share)
-            if not cfg.enable_chunked_prefill:
-                fix = (f"enabling {CAMEL['enable_chunked_prefill']} lets it in chunk by chunk while the "
-                       "short requests run")
-                sugg: dict[str, Any] = {"enable_chunked_prefill": True}
-                knob = "enable_chunked_prefill"
-            else:
-                v = int(2 ** math.ceil(math.log2(max(cfg.max_num_batched_tokens * 2, 1))))
-                fix = f"raising {CAMEL['max_num_batched_tokens']} to {v} lets more of it in per step"
-                sugg = {"max_num_batched_tokens": v}
-                knob = "max_num_batched_tokens"
-            figs = {**common, "prompt_max": L.prompt_max, "prompt_p50": L.prompt_p50,
-                    "max_num_batched_tokens": cfg.max_num_batched_tokens,
-                    "enable_chunked_prefill": cfg.enable_chunked_prefill, "blocked_share": round(stuck, 4)}
-            msg = (f"A long prompt blocks the queue head: {L.prompt_max}-token prompts (median "
-                   f"{_n(L.prompt_p50)}) stop on the {limit} in {_pct(stuck)} of steps "
-                   f"(budget {cfg.max_num_batched_tokens} tokens/step, chunked prefill "
-                   f"{'on' if cfg.enable_chunked_prefill else 'off'}) while shorter requests wait behind them "
-                   f"(p99 queue {_secs(obs.queue_time_p99_s)}); {fix}.")
-            return Diagnosis("LongPromptHeadOfLine", msg, figs, knob, sugg)
+    @property
+    def mem_pressure(self) -> bool:
+        return self.blocks_share >= self.th.blocked_share or self.pre_per_min >= self.th.preemptions_per_min
 
-    # 3. sequence cap
-    if seqs_share >= th.blocked_share and seqs_share >= blocks_share and obs.kv_usage_mean < th.seq_cap_kv_usage:
-        fit = seq_cap_fit(obs) or cfg.max_num_seqs * 2
-        demand = obs.running_peak + obs.waiting_peak
-        if demand > cfg.max_num_seqs:  # no use raising it past what is there to run (plus a margin)
-            fit = min(fit, int(demand * 1.25))
-        fit = max(fit, cfg.max_num_seqs + 1)
-        fit = int(fit if fit < 32 else fit // 16 * 16)
-        fit = max(cfg.max_num_seqs, int(bounds.max_num_seqs.clamp(fit)))
-        figs = {**common, "seq_cap_fit": fit, "blocked_share": round(seqs_share, 4)}
-        if obs.running_peak >= 0.9 * cfg.max_num_seqs:
-            where = f"{_n(obs.running_peak)} of {cfg.max_num_seqs} sequences running"
-        else:  # the queue gauges missed the busy moments (one scrape): say what the counters saw
-            where = (f"the cap of {cfg.max_num_seqs} sequences stopped the queue head in {_pct(seqs_share)} "
-                     "of steps")
-        msg = (f"Requests wait on the sequence cap: {where} while KV usage is {_pct(obs.kv_usage_mean)}; "
-               f"raising {CAMEL['max_num_seqs']} to {fit} fits in the free blocks.")
-        return Diagnosis("SequenceCap", msg, figs, "max_num_seqs", {"max_num_seqs": fit})
+    @classmethod
+    def of(cls, obs: Observation, th: Thresholds, safety: Safety, bounds: Bounds) -> "Window":
+        cfg, share = obs.config, dict(obs.waiting_cause_share)
+        minutes = obs.window_s / 60 if obs.window_s > 0 else 0.0
+        pre_per_min = obs.preemptions / minutes if minutes else (float(obs.preemptions) if obs.preemptions else 0.0)
+        common = {
+            "kv_usage": round(obs.kv_usage_mean, 4),
+            "running": round(obs.running_peak, 1),
+            "waiting": round(obs.waiting_peak, 1),
+            "max_num_seqs": cfg.max_num_seqs,
+            "queue_time_p99_s": round(obs.queue_time_p99_s, 4),
+            "waiting_cause_share": {k: round(v, 4) for k, v in share.items()},
+            "preemptions": {"swap": obs.preemptions_swap, "recompute": obs.preemptions_recompute,
+                            "swap_full": obs.swap_full},
+        }
+        return cls(obs, th, safety, bounds, MemoryPicture.from_observation(obs), share.get("max_num_seqs", 0.0),
+                   share.get("token_budget", 0.0), share.get("kv_blocks", 0.0) + share.get("watermark", 0.0),
+                   pre_per_min, common)
 
-    # 4-6. not enough blocks: pinned prefix blocks, tail waste, too little memory
-    if mem_pressure:
-        cached = obs.cached_blocks_share or 0.0
-        shared = obs.shared_blocks_share or 0.0
-        hit = obs.prefix_cache_hit_rate
-        prefix_heavy = L is not None and L.prefix_share >= 0.3 and L.prefix_tokens_mean >= 0.3 * max(1.0, L.prompt_p50)
-        # Idle cached blocks are evictable, hence allocatable: only blocks that running requests share
-        # pin memory. Without a shared-block figure, idle cached blocks stand in for them only when the
-        # trace shows shared prefixes (otherwise they are just recently freed blocks, e.g. after a
-        # recompute preemption).
-        pinned = shared if obs.shared_blocks_share is not None else (cached if prefix_heavy else 0.0)
-        if cfg.enable_prefix_caching and blocks_share >= th.blocked_share and (
-                pinned >= th.cached_share or (prefix_heavy and obs.shared_blocks_share is None)):
-            low_hit = hit is not None and hit < th.low_hit_rate
-            if low_hit:
-                fix = (f"the hit rate is only {_pct(hit)}, so turning {CAMEL['enable_prefix_caching']} off "
-                       "frees them")
-                sugg: dict[str, Any] = {"enable_prefix_caching": False}
-                knob = "enable_prefix_caching"
-            else:
-                fix = f"giving the cache more memory ({CAMEL['gpu_memory_utilization']}) keeps the prefix and frees room"
-                sugg = {}
-                knob = "gpu_memory_utilization"
-                if mem is not None:
-                    u = math.floor(min(mem.max_utilization(safety), bounds.gpu_memory_utilization.hi) * 100) / 100
-                    if u > cfg.gpu_memory_utilization:
-                        sugg = {"gpu_memory_utilization": u}
-                        fix = (f"raising {CAMEL['gpu_memory_utilization']} to {u:g} makes room for the prefix "
-                               "and the requests")
-                    elif hit is not None and hit < 0.6:
-                        fix = f"turning {CAMEL['enable_prefix_caching']} off frees them (hit rate {_pct(hit)})"
-                        sugg, knob = {"enable_prefix_caching": False}, "enable_prefix_caching"
-            figs = {**common, "cached_blocks_share": round(cached, 4), "shared_blocks_share": round(shared, 4),
-                    "prefix_cache_hit_rate": None if hit is None else round(hit, 4),
-                    "prefix_share": round(L.prefix_share, 4) if L else None,
-                    "blocked_share": round(blocks_share, 4)}
-            if shared >= cached and shared > 0:
-                held = f"{_pct(shared)} of the blocks hold shared prefixes, pinned by the requests that use them"
-            elif cached > 0:
-                held = f"{_pct(cached)} of the blocks are held idle by the prefix cache"
-            else:
-                held = "shared-prefix blocks stay pinned in the cache"
-            msg = (f"Requests wait for KV blocks while the usage gauge reads {_pct(obs.kv_usage_mean)}: {held}"
-                   + (f" (hit rate {_pct(hit)})" if hit is not None else "")
-                   + f", so fewer blocks are allocatable than the gauge suggests; {fix}.")
-            return Diagnosis("SharedPrefixPinning", msg, figs, knob, sugg)
 
-        frag = obs.internal_fragmentation_mean
-        if frag >= th.fragmentation and L is not None and L.totals:
-            smaller = [b for b in sorted(bounds.block_size) if b < cfg.block_size]
-            bb = best_block_size(obs, smaller + [cfg.block_size]) if smaller else None
-            if bb and bb < cfg.block_size:
-                now_w, new_w = L.tail_waste(cfg.block_size), L.tail_waste(bb)
-                if now_w > 0 and (now_w - new_w) / now_w >= th.waste_saving:
-                    more = (1 - new_w) / (1 - now_w) - 1 if now_w < 1 else 0.0
-                    figs = {**common, "internal_fragmentation": round(frag, 4), "block_size": cfg.block_size,
-                            "suggested_block_size": bb, "total_tokens_p50": round(_median(L.totals), 1),
-                            "tail_waste_now": round(now_w, 4), "tail_waste_suggested": round(new_w, 4)}
-                    msg = (f"KV blocks are wasted: {_pct(frag)} of the allocated token slots are empty tail slots "
-                           f"with {CAMEL['block_size']} {cfg.block_size} and requests of "
-                           f"{_n(_median(L.totals))} tokens (median); {CAMEL['block_size']} {bb} wastes "
-                           f"{_pct(new_w)} and fits about {_pct(more)} more tokens in the same memory.")
-                    return Diagnosis("BlockWaste", msg, figs, "block_size", {"block_size": bb})
+# -- one rule per cause, in the order of the table above ---------------------------------------------
 
+def swap_full(w: Window) -> Diagnosis | None:
+    obs, cfg = w.obs, w.cfg
+    if not (obs.swap_full > 0 and (obs.swap_usage_peak >= 0.9 or cfg.swap_space == 0)):
+        return None
+    need = swap_needed_gib(obs, w.safety)
+    target = float(math.ceil(need)) if need else max(1.0, 2 * cfg.swap_space)
+    target = max(cfg.swap_space, w.bounds.swap_space.clamp(target))
+    figs = {**w.common, "swap_full": obs.swap_full, "swap_usage_peak": round(obs.swap_usage_peak, 4),
+            "swap_space_gib": cfg.swap_space, "swap_needed_gib": round(need or 0.0, 2)}
+    msg = (f"Swap space is full: {obs.swap_full} preemptions found the {cfg.swap_space:g} GiB swap pool "
+           f"{_pct(obs.swap_usage_peak)} used and fell back to recompute; raising {CAMEL['swap_space']} "
+           f"to {target:g} holds the observed swap volume.")
+    return Diagnosis("SwapFull", msg, figs, "swap_space", {"swap_space": target})
+
+
+def long_prompt_head_of_line(w: Window) -> Diagnosis | None:
+    obs, cfg, th, L = w.obs, w.cfg, w.th, w.obs.lengths
+    budget_share, blocks_share = w.budget_share, w.blocks_share
+    if L is None or not L.count or not (budget_share >= th.blocked_share or blocks_share >= th.blocked_share):
+        return None
+    long_vs_median = L.prompt_max >= th.long_prompt_ratio * max(1.0, L.prompt_p50)
+    long_vs_budget = L.prompt_max >= th.long_prompt_budget_share * cfg.max_num_batched_tokens
+    big_head = budget_share >= th.blocked_share or (
+        not cfg.enable_chunked_prefill and blocks_share >= th.blocked_share
+        and obs.kv_usage_mean < th.seq_cap_kv_usage)
+    if not (long_vs_median and long_vs_budget and big_head):
+        return None
+    limit = "token budget" if budget_share >= blocks_share else "free KV blocks"
+    stuck = max(budget_share, blocks_share)
+    if not cfg.enable_chunked_prefill:
+        fix = f"enabling {CAMEL['enable_chunked_prefill']} lets it in chunk by chunk while the short requests run"
+        sugg: dict[str, Any] = {"enable_chunked_prefill": True}
+        knob = "enable_chunked_prefill"
+    else:
+        v = int(2 ** math.ceil(math.log2(max(cfg.max_num_batched_tokens * 2, 1))))
+        fix = f"raising {CAMEL['max_num_batched_tokens']} to {v} lets more of it in per step"
+        sugg = {"max_num_batched_tokens": v}
+        knob = "max_num_batched_tokens"
+    figs = {**w.common, "prompt_max": L.prompt_max, "prompt_p50": L.prompt_p50,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "enable_chunked_prefill": cfg.enable_chunked_prefill, "blocked_share": round(stuck, 4)}
+    msg = (f"A long prompt blocks the queue head: {L.prompt_max}-token prompts (median "
+           f"{_n(L.prompt_p50)}) stop on the {limit} in {_pct(stuck)} of steps "
+           f"(budget {cfg.max_num_batched_tokens} tokens/step, chunked prefill "
+           f"{'on' if cfg.enable_chunked_prefill else 'off'}) while shorter requests wait behind them "
+           f"(p99 queue {_secs(obs.queue_time_p99_s)}); {fix}.")
+    return Diagnosis("LongPromptHeadOfLine", msg, figs, knob, sugg)
+
+
+def sequence_cap(w: Window) -> Diagnosis | None:
+    obs, cfg, th, seqs_share = w.obs, w.cfg, w.th, w.seqs_share
+    if not (seqs_share >= th.blocked_share and seqs_share >= w.blocks_share and obs.kv_usage_mean < th.seq_cap_kv_usage):
+        return None
+    fit = seq_cap_fit(obs) or cfg.max_num_seqs * 2
+    demand = obs.running_peak + obs.waiting_peak
+    if demand > cfg.max_num_seqs:  # no use raising it past what is there to run (plus a margin)
+        fit = min(fit, int(demand * 1.25))
+    fit = max(fit, cfg.max_num_seqs + 1)
+    fit = int(fit if fit < 32 else fit // 16 * 16)
+    fit = max(cfg.max_num_seqs, int(w.bounds.max_num_seqs.clamp(fit)))
+    figs = {**w.common, "seq_cap_fit": fit, "blocked_share": round(seqs_share, 4)}
+    if obs.running_peak >= 0.9 * cfg.max_num_seqs:
+        where = f"{_n(obs.running_peak)} of {cfg.max_num_seqs} sequences running"
+    else:  # the queue gauges missed the busy moments (one scrape): say what the counters saw
+        where = f"the cap of {cfg.max_num_seqs} sequences stopped the queue head in {_pct(seqs_share)} of steps"
+    msg = (f"Requests wait on the sequence cap: {where} while KV usage is {_pct(obs.kv_usage_mean)}; "
+           f"raising {CAMEL['max_num_seqs']} to {fit} fits in the free blocks.")
+    return Diagnosis("SequenceCap", msg, figs, "max_num_seqs", {"max_num_seqs": fit})
+
+
+def shared_prefix_pinning(w: Window) -> Diagnosis | None:
+    obs, cfg, th, L, mem, blocks_share = w.obs, w.cfg, w.th, w.obs.lengths, w.mem, w.blocks_share
+    if not w.mem_pressure:
+        return None
+    cached = obs.cached_blocks_share or 0.0
+    shared = obs.shared_blocks_share or 0.0
+    hit = obs.prefix_cache_hit_rate
+    prefix_heavy = L is not None and L.prefix_share >= 0.3 and L.prefix_tokens_mean >= 0.3 * max(1.0, L.prompt_p50)
+    # Idle cached blocks are evictable, hence allocatable: only blocks that running requests share
+    # pin memory. Without a shared-block figure, idle cached blocks stand in for them only when the
+    # trace shows shared prefixes (otherwise they are just recently freed blocks, e.g. after a
+    # recompute preemption).
+    pinned = shared if obs.shared_blocks_share is not None else (cached if prefix_heavy else 0.0)
+    if not (cfg.enable_prefix_caching and blocks_share >= th.blocked_share and (
+            pinned >= th.cached_share or (prefix_heavy and obs.shared_blocks_share is None))):
+        return None
+    if hit is not None and hit < th.low_hit_rate:
+        fix = f"the hit rate is only {_pct(hit)}, so turning {CAMEL['enable_prefix_caching']} off frees them"
+        sugg: dict[str, Any] = {"enable_prefix_caching": False}
+        knob = "enable_prefix_caching"
+    else:
+        fix = f"giving the cache more memory ({CAMEL['gpu_memory_utilization']}) keeps the prefix and frees room"
+        sugg = {}
+        knob = "gpu_memory_utilization"
         if mem is not None:
-            umax = min(mem.max_utilization(safety), bounds.gpu_memory_utilization.hi)
-            unused = max(0.0, (umax - cfg.gpu_memory_utilization) * mem.device_total)
-            if unused >= th.unused_memory_share * mem.device_total:
-                u = round(math.floor(umax * 100) / 100, 2)
-                new_blocks = mem.num_blocks(cfg.with_changes(gpu_memory_utilization=u)) if u > 0 else 0
-                gain = new_blocks / obs.num_blocks - 1 if obs.num_blocks else 0.0
-                figs = {**common, "preemptions_per_min": round(pre_per_min, 2), "blocked_share": round(blocks_share, 4),
-                        "unused_bytes": unused, "gpu_memory_utilization": cfg.gpu_memory_utilization,
-                        "safe_max_utilization": round(umax, 4), "num_blocks": obs.num_blocks,
-                        "suggested_num_blocks": new_blocks}
-                what = (f"{obs.preemptions} preemptions ({pre_per_min:.1f}/min)" if obs.preemptions
-                        else f"the queue head waits for KV blocks in {_pct(blocks_share)} of steps")
-                msg = (f"Too little KV memory: {what} while {unused / GiB:.1f} GiB of device memory is unused; "
-                       f"raising {CAMEL['gpu_memory_utilization']} from {cfg.gpu_memory_utilization:g} to {u:g} "
-                       f"adds {new_blocks - obs.num_blocks} blocks (+{_pct(gain)}) and stays under the measured "
-                       f"peak non-KV memory plus the safety margin.")
-                return Diagnosis("LowKVMemory", msg, figs, "gpu_memory_utilization", {"gpu_memory_utilization": u})
+            u = math.floor(min(mem.max_utilization(w.safety), w.bounds.gpu_memory_utilization.hi) * 100) / 100
+            if u > cfg.gpu_memory_utilization:
+                sugg = {"gpu_memory_utilization": u}
+                fix = f"raising {CAMEL['gpu_memory_utilization']} to {u:g} makes room for the prefix and the requests"
+            elif hit is not None and hit < 0.6:
+                fix = f"turning {CAMEL['enable_prefix_caching']} off frees them (hit rate {_pct(hit)})"
+                sugg, knob = {"enable_prefix_caching": False}, "enable_prefix_caching"
+    figs = {**w.common, "cached_blocks_share": round(cached, 4), "shared_blocks_share": round(shared, 4),
+            "prefix_cache_hit_rate": None if hit is None else round(hit, 4),
+            "prefix_share": round(L.prefix_share, 4) if L else None,
+            "blocked_share": round(blocks_share, 4)}
+    if shared >= cached and shared > 0:
+        held = f"{_pct(shared)} of the blocks hold shared prefixes, pinned by the requests that use them"
+    elif cached > 0:
+        held = f"{_pct(cached)} of the blocks are held idle by the prefix cache"
+    else:
+        held = "shared-prefix blocks stay pinned in the cache"
+    msg = (f"Requests wait for KV blocks while the usage gauge reads {_pct(obs.kv_usage_mean)}: {held}"
+           + (f" (hit rate {_pct(hit)})" if hit is not None else "")
+           + f", so fewer blocks are allocatable than the gauge suggests; {fix}.")
+    return Diagnosis("SharedPrefixPinning", msg, figs, knob, sugg)
 
-    # nothing stops the head often: healthy, or compute-bound
-    if obs.blocked_share < th.blocked_share and pre_per_min < th.preemptions_per_min \
-            and obs.queue_time_p99_s <= th.healthy_queue_p99_s:
-        msg = (f"Nothing holds requests back: the queue head was blocked in {_pct(obs.blocked_share)} of steps, KV usage "
-               f"{_pct(obs.kv_usage_mean)}, {obs.preemptions} preemptions, p99 queue time "
-               f"{_secs(obs.queue_time_p99_s)}.")
-        return Diagnosis("Healthy", msg, common, None, {})
+
+def block_waste(w: Window) -> Diagnosis | None:
+    obs, cfg, L = w.obs, w.cfg, w.obs.lengths
+    frag = obs.internal_fragmentation_mean
+    if not (w.mem_pressure and frag >= w.th.fragmentation and L is not None and L.totals):
+        return None
+    smaller = [b for b in sorted(w.bounds.block_size) if b < cfg.block_size]
+    bb = best_block_size(obs, smaller + [cfg.block_size]) if smaller else None
+    if not bb or bb >= cfg.block_size:
+        return None
+    now_w, new_w = L.tail_waste(cfg.block_size), L.tail_waste(bb)
+    if not (now_w > 0 and (now_w - new_w) / now_w >= w.th.waste_saving):
+        return None
+    more = (1 - new_w) / (1 - now_w) - 1 if now_w < 1 else 0.0
+    figs = {**w.common, "internal_fragmentation": round(frag, 4), "block_size": cfg.block_size,
+            "suggested_block_size": bb, "total_tokens_p50": round(_median(L.totals), 1),
+            "tail_waste_now": round(now_w, 4), "tail_waste_suggested": round(new_w, 4)}
+    msg = (f"KV blocks are wasted: {_pct(frag)} of the allocated token slots are empty tail slots "
+           f"with {CAMEL['block_size']} {cfg.block_size} and requests of "
+           f"{_n(_median(L.totals))} tokens (median); {CAMEL['block_size']} {bb} wastes "
+           f"{_pct(new_w)} and fits about {_pct(more)} more tokens in the same memory.")
+    return Diagnosis("BlockWaste", msg, figs, "block_size", {"block_size": bb})
+
+
+def low_kv_memory(w: Window) -> Diagnosis | None:
+    obs, cfg, mem = w.obs, w.cfg, w.mem
+    if not w.mem_pressure or mem is None:
+        return None
+    umax = min(mem.max_utilization(w.safety), w.bounds.gpu_memory_utilization.hi)
+    unused = max(0.0, (umax - cfg.gpu_memory_utilization) * mem.device_total)
+    if unused < w.th.unused_memory_share * mem.device_total:
+        return None
+    u = round(math.floor(umax * 100) / 100, 2)
+    new_blocks = mem.num_blocks(cfg.with_changes(gpu_memory_utilization=u)) if u > 0 else 0
+    gain = new_blocks / obs.num_blocks - 1 if obs.num_blocks else 0.0
+    figs = {**w.common, "preemptions_per_min": round(w.pre_per_min, 2), "blocked_share": round(w.blocks_share, 4),
+            "unused_bytes": unused, "gpu_memory_utilization": cfg.gpu_memory_utilization,
+            "safe_max_utilization": round(umax, 4), "num_blocks": obs.num_blocks,
+            "suggested_num_blocks": new_blocks}
+    what = (f"{obs.preemptions} preemptions ({w.pre_per_min:.1f}/min)" if obs.preemptions
+            else f"the queue head waits for KV blocks in {_pct(w.blocks_share)} of steps")
+    msg = (f"Too little KV memory: {what} while {unused / GiB:.1f} GiB of device memory is unused; "
+           f"raising {CAMEL['gpu_memory_utilization']} from {cfg.gpu_memory_utilization:g} to {u:g} "
+           f"adds {new_blocks - obs.num_blocks} blocks (+{_pct(gain)}) and stays under the measured "
+           f"peak non-KV memory plus the safety margin.")
+    return Diagnosis("LowKVMemory", msg, figs, "gpu_memory_utilization", {"gpu_memory_utilization": u})
+
+
+def healthy(w: Window) -> Diagnosis | None:
+    obs, th = w.obs, w.th
+    if not (obs.blocked_share < th.blocked_share and w.pre_per_min < th.preemptions_per_min
+            and obs.queue_time_p99_s <= th.healthy_queue_p99_s):
+        return None
+    msg = (f"Nothing holds requests back: the queue head was blocked in {_pct(obs.blocked_share)} of steps, KV usage "
+           f"{_pct(obs.kv_usage_mean)}, {obs.preemptions} preemptions, p99 queue time "
+           f"{_secs(obs.queue_time_p99_s)}.")
+    return Diagnosis("Healthy", msg, w.common, None, {})
+
+
+def compute_bound(w: Window) -> Diagnosis | None:
+    obs = w.obs
     dom, dshare = obs.dominant_cause()
-    if dom is None or dshare < th.blocked_share:
-        msg = (f"Requests queue (p99 {_secs(obs.queue_time_p99_s)}) although no limit stops the queue head: "
-               f"the engine is compute-bound at {obs.output_tokens_per_s:.0f} output tokens/s; more replicas "
-               "help, KV knobs will not.")
-        return Diagnosis("ComputeBound", msg, {**common, "output_tokens_per_s": round(obs.output_tokens_per_s, 1)},
-                         None, {})
-    # a limit binds but the figures fit no named scenario: name the limit itself
+    if dom is not None and dshare >= w.th.blocked_share:
+        return None
+    msg = (f"Requests queue (p99 {_secs(obs.queue_time_p99_s)}) although no limit stops the queue head: "
+           f"the engine is compute-bound at {obs.output_tokens_per_s:.0f} output tokens/s; more replicas "
+           "help, KV knobs will not.")
+    return Diagnosis("ComputeBound", msg, {**w.common, "output_tokens_per_s": round(obs.output_tokens_per_s, 1)},
+                     None, {})
+
+
+def binding_limit(w: Window) -> Diagnosis:
+    """A limit binds but the figures fit no named scenario: name the limit itself."""
+    obs, cfg = w.obs, w.cfg
+    dom, dshare = obs.dominant_cause()
     if dom == "max_num_seqs":
         fit = seq_cap_fit(obs) or cfg.max_num_seqs
         msg = (f"Requests wait on the sequence cap ({_pct(dshare)} of steps) with KV usage "
                f"{_pct(obs.kv_usage_mean)}: the cache is nearly as full as the cap allows; raising "
                f"{CAMEL['max_num_seqs']} needs more KV memory too.")
-        return Diagnosis("SequenceCap", msg, {**common, "seq_cap_fit": fit}, "max_num_seqs", {})
+        return Diagnosis("SequenceCap", msg, {**w.common, "seq_cap_fit": fit}, "max_num_seqs", {})
     if dom == "token_budget":
         v = cfg.max_num_batched_tokens * 2
         msg = (f"The queue head waits on the token budget in {_pct(dshare)} of steps "
                f"({cfg.max_num_batched_tokens} tokens/step); raising {CAMEL['max_num_batched_tokens']} to {v} "
                "admits prefills sooner.")
-        return Diagnosis("TokenBudget", msg, common, "max_num_batched_tokens", {"max_num_batched_tokens": v})
+        return Diagnosis("TokenBudget", msg, w.common, "max_num_batched_tokens", {"max_num_batched_tokens": v})
     msg = (f"Too little KV memory: the queue head waits for KV blocks in {_pct(dshare)} of steps with "
            f"{obs.preemptions} preemptions, and the device has no safe headroom left "
            f"({CAMEL['gpu_memory_utilization']} {cfg.gpu_memory_utilization:g}); a smaller {CAMEL['max_num_seqs']} "
            "avoids preemptions, more replicas add capacity.")
-    return Diagnosis("LowKVMemory", msg, common, "gpu_memory_utilization", {})
+    return Diagnosis("LowKVMemory", msg, w.common, "gpu_memory_utilization", {})
+
+
+#: The rules in the order they are tried: the first that names a cause wins.
+RULES = (swap_full, long_prompt_head_of_line, sequence_cap, shared_prefix_pinning, block_waste, low_kv_memory,
+         healthy, compute_bound)
+
+
+def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Safety = Safety(),
+             bounds: Bounds | None = None) -> Diagnosis:
+    """Name why requests wait in ``obs``. Suggested values respect ``bounds`` when given."""
+    w = Window.of(obs, thresholds, safety, bounds or Bounds())
+    for rule in RULES:
+        d = rule(w)
+        if d is not None:
+            return d
+    return binding_limit(w)
 
 
 def _median(xs: tuple[int, ...] | list[int]) -> float:

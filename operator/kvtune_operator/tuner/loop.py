@@ -15,13 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from kvtune_engine.config import EngineConfig
+from kvtune_engine.config import RESTART_KNOBS, EngineConfig
 from kvtune_engine.sim.profile import Profile
 from kvtune_engine.sim.simulator import SLO, simulate
 from kvtune_engine.sim.trace import TraceRequest
 
-from .candidates import Bounds, CandidateSet, Safety, combine, propose
-from .decide import Decision, Objectives, TunerState, Verdict, choose, config_key, window_figures
+from .candidates import Bounds, CandidateSet, Safety, combine, propose, restart_lookahead
+from .decide import (Decision, Objectives, Score, TunerState, Verdict, choose, config_key, knob_changes,
+                     window_figures)
 from .diagnose import Diagnosis, Thresholds, diagnose
 from .fit import StepCostFit
 from .observation import Observation
@@ -146,47 +147,22 @@ class Tuner:
         return out
 
     def _restart_lookahead(self, cfg: EngineConfig, decision: Decision, preds: list, pred: Predictor,
-                           tr: Sequence[TraceRequest], top: int = 3) -> list:
-        from kvtune_engine.config import RESTART_KNOBS
-
-        from .candidates import _try
-        from .decide import knob_changes
-
+                           tr: Sequence[TraceRequest]) -> list:
         s = self.settings
         restarts = [(c, sm) for c, sm in preds if RESTART_KNOBS & knob_changes(cfg, c).keys()
                     and not self.state.is_bad(c, 0.0)]
         restarts.sort(key=lambda p: _key(p[1], s.objectives), reverse=True)
-        # the best few distinct restart settings (e.g. each memory size once), with the current live knobs
-        seen: dict[str, EngineConfig] = {}
-        for c, _ in restarts:
-            rk = {k: v for k, v in knob_changes(cfg, c).items() if k in RESTART_KNOBS}
-            key = repr(sorted(rk.items()))
-            if key not in seen:
-                seen[key] = _try(cfg, s.bounds, **rk) or c
-            if len(seen) >= top:
-                break
-        extra: list[EngineConfig] = []
-        for c in seen.values():
-            for ch in ({"max_num_seqs": int(c.max_num_seqs * 1.5)}, {"max_num_seqs": c.max_num_seqs * 2},
-                       {"max_num_batched_tokens": c.max_num_batched_tokens // 2}):
-                k, v = next(iter(ch.items()))
-                r = getattr(s.bounds, k)
-                n = _try(c, s.bounds, **{k: int(r.clamp(v))})
-                if n is not None and n != c:
-                    extra.append(n)
-        return pred.predict_many(tr, [c for c in seen.values() if c not in [p[0] for p in preds]] + extra)
+        settings, moves = restart_lookahead(cfg, [c for c, _ in restarts], s.bounds)
+        predicted = [p[0] for p in preds]
+        return pred.predict_many(tr, [c for c in settings if c not in predicted] + moves)
 
     def candidates(self, obs: Observation, diag: Diagnosis) -> CandidateSet:
         s = self.settings
-        cs = propose(obs, s.bounds, safety=s.safety, cause=diag.cause, slo_tpot_s=s.objectives.slo_tpot_s)
-        if diag.suggestion:
-            from .candidates import _try
-            cs.add(_try(obs.config, s.bounds, **diag.suggestion), f"diagnosis: {diag.suggestion}")
-        return cs
+        return propose(obs, s.bounds, safety=s.safety, cause=diag.cause, slo_tpot_s=s.objectives.slo_tpot_s,
+                       suggestion=diag.suggestion)
 
 
-def _score(summary: Mapping[str, Any], objectives: Objectives):
-    from .decide import Score
+def _score(summary: Mapping[str, Any], objectives: Objectives) -> Score:
     return Score.of(summary, objectives)
 
 
