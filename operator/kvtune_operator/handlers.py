@@ -93,16 +93,16 @@ def build_registry(settings: Settings, reconciler: Reconciler) -> kopf.OperatorR
 
     @kopf.timer(**resource, registry=registry, id="tune", interval=settings.tune_poll_interval,
                 initial_delay=settings.tune_poll_interval)
-    def tune(namespace: str, name: str, body: kopf.Body, **_: Any) -> None:
-        """Each deployment at its own spec.autotune.interval: gather, decide, write (tuning.py)."""
-        result = loop.maybe_tick(namespace, name, dict(body))
+    def tune(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+        """Each deployment at its own spec.autotune.interval: gather, decide, write (tuning.py). kopf
+        keeps the per-object memo; the tuner's state is in the object's status."""
+        result = loop.maybe_tick(namespace, name, dict(body), memo)
         if result is not None:
             for ev in result.events:
                 log.info("%s/%s: %s: %s", namespace, name, ev.reason, ev.message)
 
     @kopf.on.delete(**resource, registry=registry, id="deleted", optional=True)
     def deleted(namespace: str, name: str, **_: Any) -> None:
-        loop.forget(namespace, name)
         reconciler.forget(namespace, name)
         log.info("%s/%s: deleted; its children go by garbage collection", namespace, name)
 

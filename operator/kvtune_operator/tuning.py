@@ -13,7 +13,7 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 import httpx
 
@@ -27,12 +27,12 @@ from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, Autotun
                     InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningDecision,
                     parse_duration, to_camel_dict)
 from .prometheus import MetricsUnavailable, read_window
-from .reconcile import EventSpec
+from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
 from .rollout import rollout_failure
 from .tuner.candidates import Bounds
 from .tuner.decide import Decision, Objectives, knob_changes, window_figures
-from .tuner.loop import Round, Tuner, TunerSettings, measured_figures
+from .tuner.loop import Round, TunerSettings, measured_figures, tune_round
 from .tuner.observation import WAITING_CAUSES, Observation
 from .tuning_state import state_from_status, state_status
 
@@ -69,7 +69,7 @@ def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSe
 
 
 def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploymentSpec,
-           since_change_s: float | None, *, timeout_s: float = 10.0) -> Gathered:
+           since_change_s: float | None, *, timeout_s: float = 10.0, admin_key: str | None = None) -> Gathered:
     """Prometheus over the window (never reaching back past the last change, nor past the start of
     the engine it reads: after a restart change, the new pods' start), then the state, trace and step
     log of one replica Prometheus scraped. Raises MetricsUnavailable with a reason."""
@@ -82,7 +82,9 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
     for inst in w.instances:
         url = inst if inst.startswith("http") else f"http://{inst}"
         try:
-            with httpx.Client(timeout=timeout_s) as http:
+            # the admin API answers only the admin key of the operator's Secret <name>-admin-key
+            headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+            with httpx.Client(timeout=timeout_s, headers=headers) as http:
                 state = http.get(f"{url}/kvtune/v1/state").raise_for_status().json()
                 uptime = float(state.get("uptime_s") or 0.0)
                 if uptime < MIN_WINDOW_S:
@@ -228,8 +230,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     old_diagnosis = status.diagnosis.dump() if status and status.diagnosis else {}
     tuning = dict(old_tuning)
     history = list(tuning.get("history") or [])
-    tuner = Tuner(tuner_settings(spec, plan), base_profile=base_profile,
-                  state=state_from_status(status.tuning if status else None))
+    settings = tuner_settings(spec, plan)
     out.conditions.append(c.Cond("MetricsAvailable", "True", "WindowRead",
                                  f"{int(gathered.window_s)}s of engine metrics and {len(gathered.trace)} "
                                  "traced requests"))
@@ -239,13 +240,15 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
                       message=f"waiting for the engines to run {_camel(stale)}")
         out.status_update = {"tuning": tuning}
         return out
-    trying = trial is not None and mode == AutotuneMode.APPLY and tuner.state.phase != "Verifying"
-    rnd = tuner.round(obs, gathered.trace, now, apply=mode == AutotuneMode.APPLY, decide=not trying)
+    state = state_from_status(status.tuning if status else None)
+    trying = trial is not None and mode == AutotuneMode.APPLY and state.phase != "Verifying"
+    rnd, state = tune_round(settings, state, obs, gathered.trace, now, base_profile=base_profile,
+                            apply=mode == AutotuneMode.APPLY, decide=not trying)
     if trying and rnd.verdict is None:
         cfg = current.with_changes(**trial)
         rnd.decision = Decision("change", f"trying the knobs of annotation {TRY_ANNOTATION}", current, cfg,
                                 knob_changes(current, cfg), restart=bool(current.restart_changes(cfg)))
-        tuner.state.begin(rnd.decision, measured_figures(obs), now, source="Annotation")
+        state.begin(rnd.decision, measured_figures(obs), now, source="Annotation")
     out.status_update["diagnosis"] = _replacing(old_diagnosis, diagnosis_status(rnd, gathered.window_s, now))
 
     def record(entry: dict[str, Any], event_type: str) -> None:
@@ -284,7 +287,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         out.status_update.update(tuned_status(spec, current, changes))
         out.applied = changes
     tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:],
-                  **state_status(tuner.state))
+                  **state_status(state))
     out.status_update["tuning"] = _replacing(old_tuning, tuning)
     settled = rnd.diagnosis.cause == "Healthy" or phase in ("Settled",)
     out.conditions.append(c.Cond("Tuned", "True" if settled else "False", phase, message or rnd.diagnosis.message))
@@ -330,27 +333,25 @@ def _since_last_change(status: InferenceDeploymentStatus | None, now: float) -> 
 
 
 class TuningLoop:
-    """The per-deployment schedule; the kopf timer calls `maybe_tick` often and each deployment is
-    tuned at its own spec.autotune.interval. It keeps no tuner state: every tick starts from a fresh
-    read of the object, whose status.tuning holds all the tuner remembers (tuning_state.py)."""
+    """One tuning round per deployment every spec.autotune.interval; the kopf timer calls `maybe_tick`
+    often. It keeps nothing of its own: kopf's per-object ``memo`` holds when the object was last
+    looked at, and the object's status.tuning all the tuner remembers (tuning_state.py), read fresh
+    at every round."""
 
     def __init__(self, reconciler: Any, settings: Any, clock: Callable[[], float] = time.time):
         self.reconciler, self.settings, self.clock = reconciler, settings, clock
-        self.last: dict[tuple[str, str], float] = {}  # when each deployment was last looked at
 
-    def forget(self, namespace: str, name: str) -> None:
-        self.last.pop((namespace, name), None)
-
-    def maybe_tick(self, namespace: str, name: str, body: dict[str, Any]) -> TickResult | None:
+    def maybe_tick(self, namespace: str, name: str, body: Mapping[str, Any],
+                   memo: MutableMapping[str, Any]) -> TickResult | None:
         infd = InferenceDeployment.from_body(body)
         plan = resolve_autotune(infd.spec, self.settings)
-        key, now = (namespace, name), self.clock()
+        now = self.clock()
         if plan.mode == AutotuneMode.OFF:
-            self.forget(namespace, name)
+            memo.pop("tuned_at", None)
             return None
-        if now - self.last.get(key, -math.inf) < plan.interval_s:
+        if now - memo.get("tuned_at", -math.inf) < plan.interval_s:
             return None
-        self.last[key] = now
+        memo["tuned_at"] = now
         # kopf's body may predate our own last status patch: the state must come from a fresh read
         raw = self.reconciler.kube.get_infd(namespace, name)
         if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
@@ -373,7 +374,8 @@ class TuningLoop:
             if failure:
                 return roll_back_failed_rollout(infd.spec, status, plan, failure, now)
         try:
-            gathered = gather(plan, namespace, name, infd.spec, _since_last_change(status, now))
+            gathered = gather(plan, namespace, name, infd.spec, _since_last_change(status, now),
+                              admin_key=engine_admin_key(self.reconciler.kube, namespace, name))
         except MetricsUnavailable as e:
             waiting = " A pending change keeps waiting for its verdict." if pending is not None else ""
             return TickResult(conditions=[c.Cond("MetricsAvailable", "False", e.reason, f"{e}.{waiting}")])

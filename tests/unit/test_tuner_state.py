@@ -194,15 +194,16 @@ def test_the_loop_rolls_back_a_crashing_rollout_before_reading_metrics_and_tries
                       message="kvtune serve: --gpu-memory-utilization 0.3 leaves no room for one KV block")]
     settings = Settings.from_env({"KVTUNE_PROMETHEUS_URL": "http://127.0.0.1:9"})  # nothing listens
     loop = TuningLoop(Reconciler(kube, settings), settings, clock=lambda: 1_000_060.0)
-    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"))
+    memo: dict = {}                                          # kopf's per-object memo
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
     st = kube.infd("chat")["status"]
     assert st["engine"]["gpuMemoryUtilization"] == 0.9 and "pending" not in st["tuning"]
     assert ("Warning", "TuningRollBack") in [(t, r) for t, r, _ in kube.events]
-    assert not hasattr(loop, "tuners")                       # no tuner memory in the process
+    assert not vars(loop).keys() - {"reconciler", "settings", "clock"}   # no tuner memory in the process
     # the next tick: no pending change, the annotation was tried already: no second try
     kube.pods = []
     loop.clock = lambda: 1_000_200.0
-    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"))
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
     st = kube.infd("chat")["status"]
     assert st["engine"]["gpuMemoryUtilization"] == 0.9 and "pending" not in st["tuning"]
     from kvtune_operator.conditions import get_condition

@@ -12,6 +12,7 @@ cluster.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -162,6 +163,15 @@ class Tuner:
                        suggestion=diag.suggestion)
 
 
+def tune_round(settings: TunerSettings, state: TunerState, obs: Observation, trace: Sequence[Any], now: float, *,
+               base_profile: Profile | None = None, apply: bool = True,
+               decide: bool = True) -> tuple[Round, TunerState]:
+    """One round as a pure function: (settings, state, window, trace, now) -> (round, new state).
+    ``state`` is left as it was (the operator keeps both in status; see Tuner.round for the rest)."""
+    tuner = Tuner(settings, base_profile=base_profile, state=copy.deepcopy(state))
+    return tuner.round(obs, trace, now, apply=apply, decide=decide), tuner.state
+
+
 def _score(summary: Mapping[str, Any], objectives: Objectives) -> Score:
     return Score.of(summary, objectives)
 
@@ -259,4 +269,4 @@ def split_windows(trace: Sequence[TraceRequest], n: int) -> list[list[TraceReque
 
 
 __all__ = ["Round", "SimRun", "Tuner", "TunerSettings", "WindowResult", "config_key", "measure",
-           "measured_figures", "simulate_loop", "split_windows"]
+           "measured_figures", "simulate_loop", "split_windows", "tune_round"]
