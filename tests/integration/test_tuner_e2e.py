@@ -20,10 +20,11 @@ Status, the printer columns (`kubectl get infd -o wide`) and `kubectl describe` 
 time. Not the READY/REPLICAS columns: the harness' kwok renews no node leases, so about 50 s into a
 session the node controller marks every pod not ready.
 
-In the harness the new pod of a rollout is Ready at once (kwok) and the old one is stopped before
-the new engine has loaded: the requests of those seconds reach the new engine together when it
-listens (the load retries, as clients of a Service would). maxNumSeqs 96 lets that backlog in at
-once, so the window that verifies the restart judges the new memory size, not the harness' gap.
+During the rollout the old pod keeps serving until the new engine answers its readiness probe
+(the pod node reports readiness as a kubelet does, maxUnavailable is 0) and the load goes only to
+Ready pods, as through a Service. The requests the old engine still had when it was stopped reach
+the new one together (the load retries them, as clients of a Service would); maxNumSeqs 96 lets
+them in at once, so the window that verifies the restart judges the new memory size.
 
 The model is a tiny random Llama whose weights are most of the small device's memory (a 120k-token
 vocabulary), so a low gpuMemoryUtilization leaves only a few KV blocks while each step stays cheap
