@@ -35,14 +35,17 @@ def _get(client: Any, url: str, path: str, **params: Any) -> Any:
 
 
 def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limit: int = 2000,
-                slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = 10.0):
+                slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = 10.0,
+                admin_key: str | None = None):
     """Observation of a live engine: its /metrics (one scrape, or several over ``window_s``),
-    /kvtune/v1/state and the recent trace. Window 0: counters since the engine started, gauges now."""
+    /kvtune/v1/state and the recent trace. Window 0: counters since the engine started, gauges now.
+    ``admin_key``: the engine's --admin-key (its admin API answers nothing else but loopback)."""
     import httpx
 
     from .tuner.observation import MetricFigures, Observation
 
-    with httpx.Client(timeout=timeout_s) as client:
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    with httpx.Client(timeout=timeout_s, headers=headers) as client:
         scrapes = [MetricFigures.from_prometheus_text(_get(client, url, "/metrics").text)]
         state0 = _get(client, url, "/kvtune/v1/state").json()
         if window_s > 0:
@@ -82,14 +85,18 @@ def observation_dict(obs: Any) -> dict[str, Any]:
                    "0: one scrape, counters since the engine started and gauges as they are now.")
 @click.option("--slo-ttft", type=float, default=None, help="TTFT target (s) for the goodput estimate.")
 @click.option("--slo-tpot", type=float, default=None, help="TPOT target (s) for the goodput estimate.")
+@click.option("--admin-key", envvar="KVTUNE_ADMIN_KEY", default=None,
+              help="The engine's admin key (default: $KVTUNE_ADMIN_KEY; in a cluster, the Secret <name>-admin-key). "
+                   "Not needed on loopback when the engine has none.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def diagnose_cmd(url: str, window_s: float, slo_ttft: float | None, slo_tpot: float | None, as_json: bool) -> None:
+def diagnose_cmd(url: str, window_s: float, slo_ttft: float | None, slo_tpot: float | None, admin_key: str | None,
+                 as_json: bool) -> None:
     """Why do requests wait on a live engine? Reads its /metrics and /kvtune/v1/state."""
     from .tuner.diagnose import diagnose
 
     if window_s < 0:
         _fail("--window must be >= 0 seconds")
-    obs = read_engine(url, window_s=window_s, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot)
+    obs = read_engine(url, window_s=window_s, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, admin_key=admin_key)
     d = diagnose(obs)
     if as_json:
         click.echo(json.dumps({"url": url, "diagnosis": d.to_dict(), "observation": observation_dict(obs)},
@@ -142,6 +149,9 @@ def _tune_options(f):
     from kvtune_engine.flags import engine_options
 
     f = click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")(f)
+    f = click.option("--report", "report_dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+                     help="Also write DIR/report.html, report.png, inferencedeployment.yaml: the predicted "
+                          "candidates, the chosen config's effect and margins, and the YAML that applies it.")(f)
     f = click.option("--max-restarts", type=click.IntRange(min=0), default=3, show_default=True,
                      help="Most restart-requiring changes (block size, memory, swap) in all.")(f)
     f = click.option("--rounds", type=click.IntRange(min=1, max=20), default=5, show_default=True,
@@ -212,10 +222,29 @@ def tune_trace(trace: list, start: Any, profile: Any, *, slo_ttft: float | None 
     }
 
 
+def _report(report_dir: str, out: dict[str, Any], trace: list, start: Any, profile: Any, slo_ttft: float | None,
+            slo_tpot: float | None, bounds: Any) -> None:
+    """`--report DIR` (tuner_report.py): the files, then one stderr line naming them."""
+    from kvtune_engine.config import EngineConfig
+    from kvtune_engine.sim.simulator import SLO
+
+    from .tuner_report import write_report
+
+    chosen = EngineConfig.model_validate({k.replace("-", "_"): v for k, v in out["config"].items()})
+    try:
+        files = write_report(report_dir, out, trace, start, chosen, profile, SLO(slo_ttft, slo_tpot), bounds)
+    except ImportError as e:
+        _fail(f"--report needs matplotlib (pip install 'kvtune[engine]'): {e}")
+    except OSError as e:
+        _fail(f"--report {report_dir}: {e.strerror or e}")
+    click.echo(f"report: {files['html']} ({files['png'].name}, {files['yaml'].name})", err=True)
+
+
 @click.command("tune", context_settings={"help_option_names": ["-h", "--help"]})
 @_tune_options
 def tune_cmd(trace_file: str, profile_name: str, slo_ttft: float | None, slo_tpot: float | None,
-             bounds: tuple[str, ...], rounds: int, max_restarts: int, as_json: bool, **flags: Any) -> None:
+             bounds: tuple[str, ...], rounds: int, max_restarts: int, as_json: bool, report_dir: str | None,
+             **flags: Any) -> None:
     """Recommend engine flags for a request trace: diagnose, predict candidates in the simulator,
     choose, and repeat as the operator would (same loop), within --bounds."""
     from kvtune_engine.flags import engine_config
@@ -235,6 +264,8 @@ def tune_cmd(trace_file: str, profile_name: str, slo_ttft: float | None, slo_tpo
         raise click.UsageError(str(e)) from None
     out = tune_trace(trace, start, profile, slo_ttft=slo_ttft, slo_tpot=slo_tpot, bounds=b, rounds=rounds,
                      max_restarts=max_restarts)
+    if report_dir is not None:
+        _report(report_dir, out, trace, start, profile, slo_ttft, slo_tpot, b)
     if as_json:
         click.echo(json.dumps(out, default=_json_default))
         return
