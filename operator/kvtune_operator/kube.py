@@ -32,6 +32,8 @@ API_CALLS: dict[tuple[str, str], set[str]] = {
     (m.GROUP, f"{m.PLURAL}/status"): {"patch"},
     ("", "configmaps"): {"get", "create", "patch"},
     ("", "services"): {"get", "create", "patch"},
+    ("", "secrets"): {"get", "create", "patch"},
+    ("networking.k8s.io", "networkpolicies"): {"get", "create", "patch"},
     ("apps", "deployments"): {"get", "create", "patch"},
     ("monitoring.coreos.com", "podmonitors"): {"get", "create", "patch"},
     ("", "pods"): {"list"},
@@ -43,6 +45,8 @@ API_CALLS: dict[tuple[str, str], set[str]] = {
 _KINDS: dict[tuple[str, str], tuple[str, str]] = {
     ("v1", "ConfigMap"): ("core", "config_map"),
     ("v1", "Service"): ("core", "service"),
+    ("v1", "Secret"): ("core", "secret"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): ("networking", "network_policy"),
     ("apps/v1", "Deployment"): ("apps", "deployment"),
     ("monitoring.coreos.com/v1", "PodMonitor"): ("custom", "podmonitors"),
     (m.API_VERSION, m.KIND): ("custom", m.PLURAL),
@@ -84,6 +88,7 @@ class Kube:
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
         self.field_manager = field_manager
         self.component = component
         self.instance = os.environ.get("HOSTNAME") or socket.gethostname()
@@ -124,12 +129,15 @@ class Kube:
         except KeyError:
             raise KubeError(f"kvtune-operator does not manage {api_version} {kind}") from None
 
+    def _typed(self, api: str) -> Any:
+        return {"core": self.core, "apps": self.apps, "networking": self.networking}[api]
+
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         api, what = self._route(api_version, kind)
         if api == "custom":
             group, version = api_version.split("/")
             return self._call(self.custom.get_namespaced_custom_object, group, version, namespace, what, name)
-        return self._call(getattr(self.core if api == "core" else self.apps, f"read_namespaced_{what}"), name, namespace)
+        return self._call(getattr(self._typed(api), f"read_namespaced_{what}"), name, namespace)
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply `obj` (create or update) as this operator's field manager, forcing conflicts."""
@@ -141,7 +149,7 @@ class Kube:
             group, version = api_version.split("/")
             fn, args = self.custom.patch_namespaced_custom_object, (group, version, namespace, what, name)
         else:
-            fn = getattr(self.core if api == "core" else self.apps, f"patch_namespaced_{what}")
+            fn = getattr(self._typed(api), f"patch_namespaced_{what}")
             args = (name, namespace)
         try:
             out = self._call(fn, *args, obj, **kwargs)

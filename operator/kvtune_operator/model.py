@@ -94,6 +94,10 @@ def _knob_field(name: str, *, with_default: bool) -> tuple[Any, Any]:
     if optional:
         annotation = annotation | None
     default = info.default if with_default else None
+    if name == "max_model_len":  # unset: the model's context length, which only the engine knows
+        default = None
+        annotation = annotation | None
+        description += " Default: the model's context length (max_position_embeddings); the engine refuses more."
     return annotation, Field(default, alias=KNOBS[name], description=description)
 
 
@@ -223,19 +227,47 @@ class Toleration(CRDModel):
     toleration_seconds: int | None = Field(None, ge=0, description="For NoExecute: how long the pod stays bound.")
 
 
+class SecretKeyRef(CRDModel):
+    """A key of a Secret in the resource's namespace."""
+
+    name: str = Field(..., min_length=1, max_length=253, description="Secret name.")
+    key: str = Field(..., min_length=1, max_length=253, description="Key in the Secret's data.")
+
+
 class EnvVar(CRDModel):
     """An extra environment variable of the engine container."""
 
     name: str = Field(..., min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
                       description="Variable name.")
-    value: str = Field("", max_length=32768, description="Variable value.")
+    value: str = Field("", max_length=32768, description="Variable value (ignored with secretKeyRef).")
+    secret_key_ref: SecretKeyRef | None = Field(
+        None, description="Take the value from a key of a Secret in the same namespace (e.g. KVTUNE_API_KEY, "
+                          "the engine's /v1 API key, so that it never sits in plain text in this resource).")
+
+
+class NetworkPeer(CRDModel):
+    """Clients allowed to reach the engine's port: pods matching both selectors (an omitted one: any)."""
+
+    namespace_selector: dict[str, str] | None = Field(
+        None, description="Labels of the clients' namespaces; omitted: this resource's namespace.")
+    pod_selector: dict[str, str] | None = Field(None, description="Labels of the client pods; omitted: all pods.")
+
+
+class NetworkSpec(CRDModel):
+    """Who may connect to the engine pods (a NetworkPolicy the operator renders)."""
+
+    allow_from: list[NetworkPeer] | None = Field(
+        None, max_length=32,
+        description="Clients of the OpenAI API. Default: every pod of this resource's namespace. The operator "
+                    "and Prometheus (the operator's settings) are always allowed; the admin API also needs "
+                    "the admin key the operator keeps in the Secret <name>-admin-key.")
 
 
 _ENGINE_RULES = _rules(
     {"rule": "self.maxNumBatchedTokens >= self.blockSize",
      "message": "maxNumBatchedTokens must be at least blockSize: one step has to fit one block",
      "fieldPath": ".maxNumBatchedTokens"},
-    {"rule": "self.enableChunkedPrefill || self.maxNumBatchedTokens >= self.maxModelLen",
+    {"rule": "self.enableChunkedPrefill || !has(self.maxModelLen) || self.maxNumBatchedTokens >= self.maxModelLen",
      "message": "without chunked prefill, maxNumBatchedTokens must be at least maxModelLen, or long "
                 "prompts could never be scheduled; enable chunked prefill or raise the budget",
      "fieldPath": ".maxNumBatchedTokens"},
@@ -401,6 +433,7 @@ class InferenceDeploymentSpec(CRDModel):
         None, max_length=64,
         description="Extra arguments appended to `kvtune serve` (e.g. --device cpu). Knobs belong in engine.")
     env: list[EnvVar] | None = Field(None, max_length=64, description="Extra environment variables of the engine container.")
+    network: NetworkSpec | None = Field(None, description="Who may connect to the engine pods (a NetworkPolicy).")
 
 
 # --------------------------------------------------------------------------------------------

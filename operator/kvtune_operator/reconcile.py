@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import secrets
 import threading
 from typing import Any, Iterable
 
@@ -28,7 +29,8 @@ from kvtune_operator import conditions as c
 from kvtune_operator.effective import Effective, autotune_mode, effective_engine
 from kvtune_operator.kube import KubeError, now_rfc3339
 from kvtune_operator.model import KNOBS, KNOBS_BY_CAMEL, AutotuneMode, InferenceDeployment
-from kvtune_operator.render import ANNOTATION_RESTART_HASH, render_children, restart_hash, selector_string
+from kvtune_operator.render import (ANNOTATION_RESTART_HASH, admin_key_of, child_names, render_admin_secret,
+                                    render_children, restart_hash, selector_string)
 from kvtune_operator.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -194,11 +196,20 @@ class Reconciler:
                 effective = effective_engine(infd.spec, infd.status, mode)
             except ConfigError as e:
                 config_error = f"the engine refuses spec.engine: {e}"
+            vol = infd.spec.model.volume
+            if vol is not None and vol.host_path is not None and not self.settings.allow_host_path:
+                effective = None
+                config_error = ("spec.model.volume.hostPath is not allowed by this operator (setting allowHostPath, "
+                                "KVTUNE_ALLOW_HOST_PATH, is off: it would mount a node directory); use a "
+                                "persistentVolumeClaim")
         if infd is not None and effective is not None:
             image = infd.spec.image or self.settings.engine_image
             pod_monitor = self.settings.pod_monitor == "auto" and self.kube.served(*PODMONITOR)
-            children = render_children(infd, effective.config, image=image, pod_monitor=pod_monitor)
-            for obj in children:
+            children = render_children(infd, effective.config, image=image, pod_monitor=pod_monitor,
+                                       allow_namespaces=self.settings.network_allow_namespaces)
+            secret_name = child_names(name).admin_secret
+            key = admin_key_of(self.kube.get("v1", "Secret", namespace, secret_name)) or secrets.token_urlsafe(32)
+            for obj in [render_admin_secret(infd, key), *children]:
                 md = obj["metadata"]
                 try:
                     before = self.kube.get(obj["apiVersion"], obj["kind"], md["namespace"], md["name"])
@@ -282,3 +293,11 @@ class Reconciler:
         for ev in outcome.events:
             self.kube.event(raw, ev.type, ev.reason, ev.message)
         return outcome
+
+
+def engine_admin_key(kube: Any, namespace: str, name: str) -> str | None:
+    """The admin key of an InferenceDeployment's engines (the operator's own reads of /kvtune/v1/*)."""
+    try:
+        return admin_key_of(kube.get("v1", "Secret", namespace, child_names(name).admin_secret))
+    except KubeError:
+        return None

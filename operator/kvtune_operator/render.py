@@ -6,13 +6,18 @@ Values go into the templates through ``tojson`` (JSON is YAML), so no value can 
 Contract with the engine container (kvtune serve):
   kvtune serve --model <spec.model.path> --served-model-name <name> --host 0.0.0.0 --port 8000
                --config-file /etc/kvtune/engine.yaml [spec.extraArgs...]
-One port, 8000 (``http``), serves the OpenAI API, /health, /metrics and /kvtune/v1/*.
+One port, 8000 (``http``), serves the OpenAI API, /health, /metrics and /kvtune/v1/*. The admin API
+answers only the key in the Secret ``<name>-admin-key`` (``KVTUNE_ADMIN_KEY`` from that Secret), which
+the operator creates once per InferenceDeployment and uses for its own reads; a NetworkPolicy admits
+to the port the clients spec.network names (default: the namespace) and the namespaces of the
+operator and Prometheus.
 The ConfigMap key ``engine.yaml`` holds every knob in ``EngineConfig.model_dump()`` form; the engine
 watches it and applies the live knobs. The pod template carries ``kvtune.io/restart-hash``, a hash of
 only the restart knobs, so a restart knob rolls the pods and a live knob does not.
 """
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import hashlib
@@ -41,6 +46,8 @@ LABEL_INFD = "kvtune.io/inference-deployment"
 ENGINE_APP = "kvtune-engine"
 MANAGED_BY = "kvtune-operator"
 ANNOTATION_RESTART_HASH = "kvtune.io/restart-hash"
+ADMIN_KEY_ENV = "KVTUNE_ADMIN_KEY"
+ADMIN_KEY_KEY = "admin-key"
 
 #: Environment of every engine container (read-only root filesystem: caches go to /tmp).
 BASE_ENV = {
@@ -58,10 +65,13 @@ class Names:
     service: str
     configmap: str
     podmonitor: str
+    admin_secret: str
+    networkpolicy: str
 
 
 def child_names(name: str) -> Names:
-    return Names(deployment=name, service=name, configmap=f"{name}-engine", podmonitor=name)
+    return Names(deployment=name, service=name, configmap=f"{name}-engine", podmonitor=name,
+                 admin_secret=f"{name}-admin-key", networkpolicy=name)
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -91,10 +101,12 @@ def restart_hash(config: EngineConfig) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
-def engine_yaml(config: EngineConfig) -> str:
-    """The ConfigMap's engine.yaml: every knob, EngineConfig field names."""
+def engine_yaml(config: EngineConfig, omit: frozenset[str] = frozenset()) -> str:
+    """The ConfigMap's engine.yaml: every knob but those left to the engine (``omit``: max_model_len
+    when the spec does not set it, so the engine takes the model's context length)."""
+    values = {k: v for k, v in config.model_dump().items() if k not in omit}
     return ("# Written by kvtune-operator from spec.engine (+ tuned values in status.engine); edits are "
-            "overwritten.\n" + yaml.safe_dump(config.model_dump(), sort_keys=True))
+            "overwritten.\n" + yaml.safe_dump(values, sort_keys=True))
 
 
 def engine_args(infd: InferenceDeployment) -> list[str]:
@@ -169,9 +181,65 @@ def _render(template: str, context: dict[str, Any]) -> dict[str, Any]:
     return yaml.safe_load(text)
 
 
+def _left_to_engine(infd: InferenceDeployment, config: EngineConfig) -> frozenset[str]:
+    """max_model_len unset in the spec (and untouched): the engine takes the model's context length."""
+    if infd.spec.engine.max_model_len is None and \
+            config.max_model_len == EngineConfig.model_fields["max_model_len"].default:
+        return frozenset({"max_model_len"})
+    return frozenset()
+
+
+def render_admin_secret(infd: InferenceDeployment, admin_key: str) -> dict[str, Any]:
+    """The Secret holding the engine's admin key (created once by the operator, owned by the resource)."""
+    name = infd.metadata.name
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": child_names(name).admin_secret, "namespace": infd.metadata.namespace,
+                         "labels": common_labels(name), "ownerReferences": owner_references(infd)},
+            "data": {ADMIN_KEY_KEY: base64.b64encode(admin_key.encode()).decode()}}
+
+
+def admin_key_of(secret: dict[str, Any] | None) -> str | None:
+    """The admin key in a Secret rendered by ``render_admin_secret`` (None: absent or unreadable)."""
+    try:
+        return base64.b64decode(((secret or {}).get("data") or {})[ADMIN_KEY_KEY]).decode() or None
+    except (KeyError, ValueError, TypeError):
+        return None
+
+
+def _env_list(infd: InferenceDeployment) -> list[dict[str, Any]]:
+    env: dict[str, dict[str, Any]] = {k: {"name": k, "value": v} for k, v in BASE_ENV.items()}
+    env[ADMIN_KEY_ENV] = {"name": ADMIN_KEY_ENV, "valueFrom": {"secretKeyRef": {
+        "name": child_names(infd.metadata.name).admin_secret, "key": ADMIN_KEY_KEY}}}
+    for e in infd.spec.env or []:
+        if e.secret_key_ref is not None:
+            env[e.name] = {"name": e.name, "valueFrom": {"secretKeyRef": {"name": e.secret_key_ref.name,
+                                                                            "key": e.secret_key_ref.key}}}
+        elif e.name != ADMIN_KEY_ENV:
+            env[e.name] = {"name": e.name, "value": e.value}
+    return list(env.values())
+
+
+def _network_peers(infd: InferenceDeployment, always_namespaces: tuple[str, ...]) -> list[dict[str, Any]]:
+    net = infd.spec.network
+    peers: list[dict[str, Any]] = []
+    for p in (net.allow_from if net and net.allow_from else None) or [None]:
+        if p is None:
+            peers.append({"podSelector": {}})          # this namespace, every pod
+            continue
+        peer: dict[str, Any] = {"podSelector": {"matchLabels": p.pod_selector} if p.pod_selector else {}}
+        if p.namespace_selector is not None:
+            peer["namespaceSelector"] = {"matchLabels": p.namespace_selector}
+        peers.append(peer)
+    for ns in always_namespaces:
+        peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}})
+    return peers
+
+
 def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: str,
-                    pod_monitor: bool) -> list[dict[str, Any]]:
-    """The ConfigMap, Deployment, Service (and PodMonitor) of one InferenceDeployment, in apply order."""
+                    pod_monitor: bool, allow_namespaces: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """The ConfigMap, Deployment, Service, NetworkPolicy (and PodMonitor) of one InferenceDeployment,
+    in apply order (the admin key's Secret is ``render_admin_secret``'s, applied first).
+    ``allow_namespaces``: namespaces always admitted by the NetworkPolicy (operator, Prometheus)."""
     name = infd.metadata.name
     vol = infd.spec.model.volume
     context = {
@@ -185,14 +253,14 @@ def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: s
         "restart_hash": restart_hash(config),
         "config_key": CONFIG_KEY,
         "config_dir": CONFIG_DIR,
-        "engine_yaml": engine_yaml(config),
+        "engine_yaml": engine_yaml(config, _left_to_engine(infd, config)),
         "image": image,
         "command": ENGINE_COMMAND,
         "args": engine_args(infd),
         "port": PORT,
         "uid": ENGINE_UID,
-        "env": [{"name": k, "value": v}
-                for k, v in {**BASE_ENV, **{e.name: e.value for e in infd.spec.env or []}}.items()],
+        "env": _env_list(infd),
+        "network_peers": _network_peers(infd, allow_namespaces),
         "resources": _resources(infd),
         "tolerations": [t.dump() for t in infd.spec.tolerations or []],
         "model_volume": _model_volume(infd),
@@ -201,7 +269,7 @@ def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: s
         "scrape_interval": infd.spec.metrics.scrape_interval,
     }
     children = [_render("configmap.yaml.j2", context), _render("deployment.yaml.j2", context),
-                _render("service.yaml.j2", context)]
+                _render("service.yaml.j2", context), _render("networkpolicy.yaml.j2", context)]
     if pod_monitor:
         children.append(_render("podmonitor.yaml.j2", context))
     return children

@@ -44,8 +44,13 @@ class Settings(BaseModel):
     field_manager: str = Field("kvtune-operator", min_length=1, max_length=128,
                                description="Field manager of the operator's server-side applies.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    allow_host_path: bool = Field(
+        False, description="Allow spec.model.volume.hostPath (a directory of the node); off by default: it "
+                           "would let anyone who may create the resource mount any node directory.")
+    network_allow_namespaces: tuple[str, ...] = Field(
+        (), description="Namespaces every engine NetworkPolicy admits (the operator's, Prometheus').")
 
-    @field_validator("namespaces", mode="before")
+    @field_validator("namespaces", "network_allow_namespaces", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):

@@ -145,8 +145,9 @@ def test_create_applies_children_and_writes_status():
     kube, rec = setup(podmonitor=True)
     out = rec.reconcile("llm", "qwen")
     assert out.retry is None
-    assert {k[1] for k in kube.objects} == {"InferenceDeployment", "ConfigMap", "Deployment", "Service", "PodMonitor"}
-    assert reasons(kube).count("Created") == 4
+    assert {k[1] for k in kube.objects} == {"InferenceDeployment", "Secret", "ConfigMap", "Deployment", "Service",
+                                            "NetworkPolicy", "PodMonitor"}
+    assert reasons(kube).count("Created") == 6
     st = kube.infd()["status"]
     assert st["engine"]["maxNumSeqs"] == 64 and st["baseline"] == st["engine"]
     assert st["observedGeneration"] == 1 and st["replicaSummary"] == "0/1"
@@ -292,6 +293,7 @@ def test_calls_are_covered_by_the_declared_rbac():
     rec.reconcile("llm", "qwen")
     granted = {(res, verb) for (_, res), verbs in API_CALLS.items() for verb in verbs}
     kinds = {"ConfigMap": "configmaps", "Deployment": "deployments", "Service": "services", "PodMonitor": "podmonitors",
+             "Secret": "secrets", "NetworkPolicy": "networkpolicies",
              "kvtune.io/inferencedeployments": "inferencedeployments",
              "kvtune.io/inferencedeployments/status": "inferencedeployments/status"}
     for what, verb in set(kube.calls):

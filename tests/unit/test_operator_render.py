@@ -56,8 +56,11 @@ def test_configmap_holds_every_knob_as_engine_config():
     cm = children(config=cfg)["ConfigMap"]
     assert cm["metadata"]["name"] == "qwen-engine"
     loaded = yaml.safe_load(cm["data"]["engine.yaml"])
-    assert set(loaded) == set(EngineConfig.model_fields)
+    # max_model_len unset in the spec is left to the engine (the model's context length)
+    assert set(loaded) == set(EngineConfig.model_fields) - {"max_model_len"}
     assert EngineConfig.model_validate(loaded) == cfg
+    set_len = children(infd(engine={"maxModelLen": 2048}), cfg.with_changes(max_model_len=2048))["ConfigMap"]
+    assert yaml.safe_load(set_len["data"]["engine.yaml"])["max_model_len"] == 2048
 
 
 def test_deployment_contract_with_the_engine():
@@ -73,8 +76,10 @@ def test_deployment_contract_with_the_engine():
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
-    env = {e["name"]: e["value"] for e in c["env"]}
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
     assert env["FOO"] == "1" and env["HOME"] == "/tmp/home" and len(env) == len(c["env"])
+    # the admin key comes from the operator's Secret, never as a plain value
+    assert env["KVTUNE_ADMIN_KEY"] == {"secretKeyRef": {"name": "qwen-admin-key", "key": "admin-key"}}
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert mounts["engine-config"] == {"name": "engine-config", "mountPath": "/etc/kvtune", "readOnly": True}
     vols = {v["name"]: v for v in pod["spec"]["volumes"]}
@@ -130,7 +135,7 @@ def test_scheduling_and_replicas():
 
 def test_children_are_owned_and_named():
     out = children()
-    assert list(out) == ["ConfigMap", "Deployment", "Service", "PodMonitor"]
+    assert list(out) == ["ConfigMap", "Deployment", "Service", "NetworkPolicy", "PodMonitor"]
     for child in out.values():
         assert child["metadata"]["namespace"] == "llm"
         assert child["metadata"]["ownerReferences"] == [{

@@ -1,0 +1,103 @@
+"""Cluster side of issue 10: the admin key Secret, the NetworkPolicy, hostPath refusal, API keys from
+Secrets, and the operator's own admin reads (against a real engine server with an admin key)."""
+from __future__ import annotations
+
+import copy
+
+import httpx
+from click.testing import CliRunner
+from conftest_engine import run_server, tiny_llama  # noqa: F401  (fixture)
+from test_operator_reconcile import SPEC, FakeKube
+
+from kvtune_operator.conditions import get_condition
+from kvtune_operator.reconcile import Reconciler, engine_admin_key
+from kvtune_operator.render import admin_key_of
+from kvtune_operator.settings import Settings
+
+
+def reconciled(spec: dict | None = None, name: str = "qwen", **settings):
+    kube = FakeKube()
+    kube.add_infd(copy.deepcopy(spec or SPEC), name=name)
+    rec = Reconciler(kube, Settings.from_env({}, **settings))
+    rec.reconcile("llm", name)
+    return kube, rec
+
+
+def obj(kube, kind: str, name: str) -> dict:
+    return next(v for (av, k, ns, n), v in kube.objects.items() if k == kind and n == name)
+
+
+def test_admin_key_secret_is_random_per_resource_stable_and_fed_to_the_pods():
+    kube, rec = reconciled()
+    key = engine_admin_key(kube, "llm", "qwen")
+    assert key and len(key) >= 32
+    secret = obj(kube, "Secret", "qwen-admin-key")
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    rec.reconcile("llm", "qwen")
+    assert engine_admin_key(kube, "llm", "qwen") == key            # kept, not regenerated
+    other, _ = reconciled(name="other")
+    assert engine_admin_key(other, "llm", "other") != key           # one key per resource
+    env = obj(kube, "Deployment", "qwen")["spec"]["template"]["spec"]["containers"][0]["env"]
+    (admin,) = [e for e in env if e["name"] == "KVTUNE_ADMIN_KEY"]
+    assert admin == {"name": "KVTUNE_ADMIN_KEY", "valueFrom": {"secretKeyRef": {"name": "qwen-admin-key",
+                                                                                "key": "admin-key"}}}
+    assert key not in str(obj(kube, "Deployment", "qwen"))
+
+
+def test_api_key_from_a_user_secret():
+    spec = {**SPEC, "env": [{"name": "KVTUNE_API_KEY", "secretKeyRef": {"name": "my-keys", "key": "api"}}]}
+    kube, _ = reconciled(spec)
+    env = obj(kube, "Deployment", "qwen")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "KVTUNE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "my-keys", "key": "api"}}} in env
+
+
+def test_network_policy_defaults_to_the_namespace_plus_operator_and_prometheus():
+    kube, _ = reconciled(network_allow_namespaces=("kvtune-system", "monitoring"))
+    np = obj(kube, "NetworkPolicy", "qwen")["spec"]
+    assert np["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "qwen"
+    assert np["policyTypes"] == ["Ingress"]
+    (rule,) = np["ingress"]
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert rule["from"] == [{"podSelector": {}},
+                            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvtune-system"}}},
+                            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    spec = {**SPEC, "network": {"allowFrom": [{"namespaceSelector": {"team": "web"}, "podSelector": {"app": "ui"}}]}}
+    kube, _ = reconciled(spec)
+    assert obj(kube, "NetworkPolicy", "qwen")["spec"]["ingress"][0]["from"] == [
+        {"podSelector": {"matchLabels": {"app": "ui"}}, "namespaceSelector": {"matchLabels": {"team": "web"}}}]
+
+
+def test_host_path_refused_unless_the_operator_allows_it():
+    spec = {**SPEC, "model": {"path": "/models/qwen", "volume": {"hostPath": {"path": "/etc"}, "mountPath": "/models"}}}
+    kube, _ = reconciled(spec)
+    assert not [k for k in kube.objects if k[1] == "Deployment"]
+    deg = get_condition(kube.infd()["status"]["conditions"], "Degraded")
+    assert deg["status"] == "True" and "hostPath is not allowed" in deg["message"]
+    kube, _ = reconciled(spec, allow_host_path=True)
+    vols = obj(kube, "Deployment", "qwen")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model", "hostPath": {"path": "/etc", "type": "Directory"}} in vols
+
+
+def test_operator_admin_reads_and_diagnose_use_the_admin_key(tiny_llama):  # noqa: F811
+    from kvtune_operator.tuner_cli import diagnose_cmd, read_engine
+    with run_server(tiny_llama, server_settings={"admin_key": "k-123"}) as s:
+        httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert httpx.get(s.url + "/kvtune/v1/state").status_code == 401
+        obs = read_engine(s.url, admin_key="k-123")
+        assert obs.num_blocks == s.engine.num_blocks
+        r = CliRunner().invoke(diagnose_cmd, ["--url", s.url, "--window", "0"])
+        assert r.exit_code != 0 and "401" in r.output
+        r = CliRunner().invoke(diagnose_cmd, ["--url", s.url, "--window", "0", "--admin-key", "k-123"])
+        assert r.exit_code == 0, r.output
+        r = CliRunner(env={"KVTUNE_ADMIN_KEY": "k-123"}).invoke(diagnose_cmd, ["--url", s.url, "--window", "0"])
+        assert r.exit_code == 0, r.output
+
+
+def test_secret_key_round_trip():
+    from kvtune_operator.model import InferenceDeployment
+    from kvtune_operator.render import render_admin_secret
+    infd = InferenceDeployment.from_body({"apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment",
+                                          "metadata": {"name": "a", "namespace": "n", "uid": "u"},
+                                          "spec": {"model": {"path": "/m"}}})
+    assert admin_key_of(render_admin_secret(infd, "s3cret")) == "s3cret"
+    assert admin_key_of(None) is None and admin_key_of({"data": {}}) is None
