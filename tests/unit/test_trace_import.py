@@ -122,6 +122,8 @@ def test_speedup_slice_and_limit(tmp_path):
     assert [d["arrival_s"] for d in _lines(r.stdout)] == [1.0, 8.3]  # t=35 and t=108 past the slice start, /10
     r = _run(str(src), "--limit", "1")
     assert len(_lines(r.stdout)) == 1
+    r = _run(str(src), "--start", "500")
+    assert r.exit_code == 1 and "no requests left of 4 read; dropped 1 failed (Response tokens 0), 3 outside the time slice" in r.output
     r = _run(str(src), "--speedup", "0")
     assert r.exit_code == 2 and "--speedup" in r.output
 

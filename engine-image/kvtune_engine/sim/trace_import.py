@@ -65,11 +65,11 @@ class Imported:
     def summary(self, name: str) -> str:
         """One line for the user: how much came in, what was dropped, the load it describes."""
         r = self.requests
+        drop = "; dropped " + ", ".join(f"{n} {why}" for why, n in sorted(self.dropped.items())) if self.dropped else ""
         if not r:
-            return f"{name} ({self.format}): no requests left"
+            return f"{name} ({self.format}): no requests left of {self.read} read{drop}"
         span = r[-1].arrival_s - r[0].arrival_s
         rate = f", {(len(r) - 1) / span:.3g} requests/s" if span > 0 else ""
-        drop = "; dropped " + ", ".join(f"{n} {why}" for why, n in sorted(self.dropped.items())) if self.dropped else ""
         pm = sum(x.prompt_tokens for x in r) / len(r)
         om = sum(x.output_tokens for x in r) / len(r)
         return (f"{name} ({self.format}): {len(r)} requests of {self.read} read over {span:.1f} s{rate}; "
