@@ -9,10 +9,11 @@
 * kube-controller-manager (Deployments, ReplicaSets, garbage collection, service accounts, ...),
 * kube-scheduler,
 * kwok, which plays the kubelets of a few fake GPU nodes (``nvidia.com/gpu: 8`` each) that the
-  harness creates: pods scheduled on them are marked Running/Ready, deleted pods go away.
+  harness creates: pods scheduled on them are marked Running/Ready, deleted pods go away; engine
+  pods only get their sandbox (an IP) and stay Pending, not Ready (`kwok_stages`).
 
 Nothing runs inside those pods; ``tests/controlplane/node.py`` (the one simulated part) starts the
-engine pods' processes locally.
+engine pods' processes locally and reports their containers' state and readiness as a kubelet.
 
 Every process runs in its own process group; `stop()` (also called from ``atexit`` and from the
 pytest session end) terminates the groups and waits for them. Processes started for a pytest

@@ -36,19 +36,26 @@ interpreter exit, and - through PR_SET_PDEATHSIG - even if pytest is killed):
     ``prometheus.query(promql)`` (raw HTTP API), ``prometheus.active_targets()``.
 
 ``pod_node`` -> `tests.controlplane.PodNode` (needs ``controlplane`` and ``prometheus``)
-    Runs each Running pod labelled ``app.kubernetes.io/name=kvtune-engine`` as a local process
-    (first container's command+args+env; ``--port N`` rewritten and ``KVTUNE_PORT`` set to a free
-    loopback port; mounted ConfigMaps written locally and kept in sync, paths in args rewritten),
-    stops it when the pod goes away, and publishes it to Prometheus with labels ``namespace``,
-    ``pod``, ``container``, ``node``, ``inference_deployment``. Use:
+    Runs each pod labelled ``app.kubernetes.io/name=kvtune-engine`` as a local process once kwok
+    gave it an IP (first container's command+args+env; ``--port N`` rewritten and ``KVTUNE_PORT``
+    set to a free loopback port; mounted ConfigMaps written locally and kept in sync, paths in args
+    rewritten), stops it when the pod goes away, and publishes it to Prometheus with labels
+    ``namespace``, ``pod``, ``container``, ``node``, ``inference_deployment``. Like a kubelet it
+    restarts a process that exits (back-off 1 s doubling to 30 s, a tenth of the kubelet's) and
+    writes the pod's status: phase, ``containerStatuses[0]`` (state running/waiting
+    CrashLoopBackOff/terminated, ``lastState.terminated`` with exit code and the termination
+    message, ``restartCount``, ``ready``) and Ready/ContainersReady from the readiness probe. An
+    engine pod it does not run is never Ready: use a stand-in (``health_server.py``) for tests
+    that need Ready pods but no engine. Use:
       ``pod_node.command_map["kvtune-engine"] = [sys.executable, "-m", "..."]`` (how a command
           becomes a local process; ``python``/``python3`` map to this interpreter already;
           or set ``pod_node.translate = fn(pod, container, argv) -> argv``),
       ``pod_node.wait_for_pod(ns, pod)``, ``pod_node.wait_for_selector(ns, labels, count)``,
-      ``pod_node.url_for(ns, pod)``, ``pod_node.urls_for_selector(ns, labels)``,
+      ``pod_node.url_for(ns, pod)``, ``pod_node.urls_for_selector(ns, labels)`` (Ready pods only),
       ``pod_node.urls_for_service(ns, service)``, ``pod_node.rewrite_url(url_with_pod_ip)``,
       ``pod_node.logs(ns, pod)``, ``pod_node.get(ns, pod)`` -> LocalPod (``.port``, ``.argv``,
-      ``.returncode``, ``.local_path(container_path)``), ``pod_node.errors``,
+      ``.returncode``, ``.ready``, ``.restart_count``, ``.local_path(container_path)``),
+      ``pod_node.default_translate(argv)``, ``pod_node.errors``,
       ``with pod_node.restricted_to(ns): ...`` (run only your namespace's engine pods: by default
       EVERY engine pod in the cluster becomes a local process, including ones other tests left
       behind - each ``kvtune serve`` imports torch, which is slow on 2 cores; delete your engine
