@@ -17,7 +17,6 @@ one and a one-knob-at-a-time sweep around the chosen config within the bounds.
 from __future__ import annotations
 
 import base64
-import html
 import json
 import math
 from dataclasses import dataclass, field
@@ -371,7 +370,7 @@ def write_html(rep: TuneReport, path: Path, png: Path) -> Path:
         margins=margins(rep), rows=[(c, _cells(c)) for c in rep.candidates], rounds=t.get("rounds", []),
         png_b64=base64.b64encode(png.read_bytes()).decode(), png_name=png.name, yaml_text=rep.yaml_text,
         profile=t.get("profile", ""), slo=rep.slo, fmt_s=_fmt_s, knobs=[k.replace("_", "-") for k in TUNED_KNOBS],
-        n_requests=rep.current.summary.get("requests", {}).get("total", 0), escape=html.escape)
+        n_requests=rep.current.summary.get("requests", {}).get("total", 0))
     path.write_text(page, encoding="utf-8")
     return path
 
