@@ -19,10 +19,13 @@ from typing import Any, Iterable, Mapping
 
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.core.stats import CAUSES
+from kvtune_engine.sim.summary import SimSummary
 
 #: The limits that can stop the head of the waiting queue: the engine scheduler's own list, less "none".
 WAITING_CAUSES = tuple(c for c in CAUSES if c != "none")
 GiB = 1024 ** 3
+#: memory by kind, as the engine exports it (kvtune_memory_bytes{kind}) and the simulator sums it
+MEMORY_KINDS = ("weights", "activations_peak", "kv_cache", "swap", "device_total")
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,59 +208,48 @@ class Observation:
     def from_sim_summary(cls, summary: Mapping[str, Any], *, trace: Iterable[Any] | None = None,
                          step_samples: Iterable[StepSample] = (), window_s: float | None = None,
                          config: EngineConfig | None = None) -> "Observation":
-        """From one ``kvtune sim --json`` summary (issue 2 section 4 keys; extra keys used when present)."""
-        s = summary
+        """From one ``kvtune sim --json`` summary, read by field (`SimSummary`: a missing field is an
+        error, never a silent 0)."""
+        s = SimSummary.of(summary)
         if config is None:
-            config = EngineConfig.model_validate(_config_fields(s.get("config", {})))
-        pre = s.get("preemptions", {}) or {}
-        share = {k: float(v) for k, v in (s.get("waiting_cause_share") or {}).items()}
-        lengths = LengthStats.from_trace(trace) if trace is not None else None
-        mem = {k: float(v) for k, v in dict(s.get("memory_bytes") or s.get("memory") or {}).items()
-               if k in ("weights", "activations_peak", "kv_cache", "swap", "device_total")}
-        states = s.get("kv_blocks_mean_share") or {}
-        pc = s.get("prefix_cache") or {}
-        reqs = s.get("requests") or {}
+            config = EngineConfig.model_validate(_config_fields(s.config))
+        pre, pc = s.preemptions, s.prefix_cache
         hit = None
         if config.enable_prefix_caching and pc.get("query_tokens"):
-            hit = float(pc.get("hit_rate", pc.get("hit_tokens", 0) / pc["query_tokens"]))
+            hit = float(pc["hit_rate"])
         return cls(
             config=config, source="sim",
-            window_s=float(window_s if window_s is not None else s.get("duration_s", 0.0) or 0.0),
-            waiting_cause_share={k: v for k, v in share.items() if k != "none"},
-            num_blocks=int(s.get("num_blocks", 0) or 0),
-            kv_usage_mean=float(s.get("kv_usage_mean", 0.0) or 0.0),
-            kv_usage_peak=_opt(s.get("kv_usage_peak")),
-            internal_fragmentation_mean=float(s.get("internal_fragmentation_mean", 0.0) or 0.0),
-            cached_blocks_share=_opt(states.get("cached")),
-            shared_blocks_share=_opt(s.get("shared_blocks_mean_share")),
+            window_s=float(window_s if window_s is not None else s.duration_s),
+            waiting_cause_share={k: float(v) for k, v in s.waiting_cause_share.items() if k != "none"},
+            num_blocks=int(s.num_blocks),
+            kv_usage_mean=float(s.kv_usage_mean),
+            kv_usage_peak=float(s.kv_usage_peak),
+            internal_fragmentation_mean=float(s.internal_fragmentation_mean),
+            cached_blocks_share=float(s.kv_blocks_mean_share["cached"]),
+            shared_blocks_share=float(s.shared_blocks_mean_share),
             prefix_cache_hit_rate=hit,
-            preemptions_swap=int(pre.get("swap", 0) or 0),
-            preemptions_recompute=int(pre.get("recompute", 0) or 0),
-            swap_full=int(pre.get("swap_full", 0) or 0),
-            swap_usage_peak=float(s.get("swap_usage_peak", 0.0) or 0.0),
-            swap_blocks=_opt_int(s.get("num_swap_blocks")),
-            memory=mem,
-            queue_time_p50_s=float(s.get("queue_time_p50_s") or 0.0),
-            queue_time_p95_s=float(s.get("queue_time_p95_s") or 0.0),
-            queue_time_p99_s=float(s.get("queue_time_p99_s") or 0.0),
-            ttft_p50_s=float(s.get("ttft_p50_s") or 0.0),
-            ttft_p95_s=float(s.get("ttft_p95_s") or 0.0),
-            ttft_p99_s=float(s.get("ttft_p99_s") or 0.0),
-            tpot_p50_s=float(s.get("tpot_p50_s") or 0.0),
-            tpot_p95_s=float(s.get("tpot_p95_s") or 0.0),
-            tpot_p99_s=float(s.get("tpot_p99_s") or 0.0),
-            output_tokens_per_s=float(s.get("output_tokens_per_s") or 0.0),
-            requests_per_s=float(s.get("requests_per_s") or 0.0),
-            goodput_requests_per_s=float(s.get("goodput_requests_per_s") or 0.0),
-            requests_finished=int(reqs.get("finished", 0) or 0),
-            requests_rejected=int(reqs.get("rejected", 0) or 0),
-            running_mean=float(s.get("running_mean") or 0.0),
-            running_peak=float(s.get("running_max") or 0.0),
-            waiting_mean=float(s.get("queued_mean") or 0.0),
-            waiting_peak=float(s.get("queued_max") or 0.0),
-            lengths=lengths,
+            preemptions_swap=int(pre["swap"]),
+            preemptions_recompute=int(pre["recompute"]),
+            swap_full=int(pre["swap_full"]),
+            swap_usage_peak=float(s.swap_usage_peak),
+            swap_blocks=int(s.num_swap_blocks),
+            memory={k: float(v) for k, v in s.memory_bytes.items() if k in MEMORY_KINDS},
+            queue_time_p50_s=_or0(s.queue_time_p50_s), queue_time_p95_s=_or0(s.queue_time_p95_s),
+            queue_time_p99_s=_or0(s.queue_time_p99_s),
+            ttft_p50_s=_or0(s.ttft_p50_s), ttft_p95_s=_or0(s.ttft_p95_s), ttft_p99_s=_or0(s.ttft_p99_s),
+            tpot_p50_s=_or0(s.tpot_p50_s), tpot_p95_s=_or0(s.tpot_p95_s), tpot_p99_s=_or0(s.tpot_p99_s),
+            output_tokens_per_s=float(s.output_tokens_per_s),
+            requests_per_s=float(s.requests_per_s),
+            goodput_requests_per_s=float(s.goodput_requests_per_s),
+            requests_finished=int(s.requests["finished"]),
+            requests_rejected=int(s.requests["rejected"]),
+            running_mean=float(s.running_mean),
+            running_peak=float(s.running_max),
+            waiting_mean=float(s.queued_mean),
+            waiting_peak=float(s.queued_max),
+            lengths=LengthStats.from_trace(trace) if trace is not None else None,
             step_samples=tuple(step_samples),
-            summary=dict(s),
+            summary=dict(summary),
         )
 
     @classmethod
@@ -285,8 +277,7 @@ class Observation:
         blocks = {s_: f.get("kvtune_kv_blocks", state=s_) or 0.0 for s_ in ("free", "used", "cached", "reserved")}
         num_blocks = int(f.get("kvtune_kv_num_blocks") or 0) or int(_dig(st, "blocks", "total", default=0) or 0) \
             or int(round(sum(blocks.values())))
-        mem = {k: f.get("kvtune_memory_bytes", kind=k) for k in
-               ("weights", "activations_peak", "kv_cache", "swap", "device_total")}
+        mem = {k: f.get("kvtune_memory_bytes", kind=k) for k in MEMORY_KINDS}
         mem = {k: v for k, v in mem.items() if v is not None}
         win = float(window_s or 0.0)
         finished = (f.hist_count("kvtune_e2e_request_latency_seconds")
@@ -347,6 +338,11 @@ class Observation:
             step_samples=tuple(samples),
             summary=None,
         )
+
+
+def _or0(v: float | None) -> float:
+    """A percentile of no requests (the simulator's None) reads as 0 s."""
+    return 0.0 if v is None else float(v)
 
 
 def _opt(v: Any) -> float | None:
