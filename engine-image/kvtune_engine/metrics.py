@@ -155,6 +155,8 @@ def kvtune_families(s: dict[str, Any], hist: dict[str, Histogram]):
         g.add_metric([st], blocks.get(st, 0))
     yield g
     yield _gauge("kvtune_kv_num_blocks", "KV blocks in the device pool.", blocks.get("total", 0))
+    yield _gauge("kvtune_kv_shared_blocks", "KV blocks referenced by more than one request (shared prefixes: "
+                 "pinned while any of them runs).", s.get("shared_blocks", 0))
     yield _gauge("kvtune_swap_num_blocks", "Blocks in the CPU swap pool.", s["swap"].get("total", 0))
     yield _gauge("kvtune_kv_usage_ratio", "Used KV blocks / total KV blocks.", s["kv_usage_ratio"])
     yield _gauge("kvtune_kv_internal_fragmentation_ratio",

@@ -23,6 +23,7 @@ def scheduler_view(sched: Any) -> dict[str, Any]:
         "num_swap_blocks": n_swap,
         "blocks": blocks,
         "allocatable_blocks": snap.get("allocatable_blocks"),
+        "shared_blocks": snap["shared_blocks"],
         "swap": {"total": n_swap, "used": n_swap - free_swap, "free": free_swap},
         "queues": dict(snap["queues"]),
         "head": head,

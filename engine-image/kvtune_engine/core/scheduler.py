@@ -427,6 +427,7 @@ class Scheduler:
             "num_swap_blocks": self.num_swap_blocks,
             "blocks": self.block_counts(),
             "allocatable_blocks": max(0, pool.num_allocatable - self.reserve_blocks),
+            "shared_blocks": pool.num_shared,
             "queues": {"running": len(self._run), "waiting": len(self.waiting),
                        "swapped": len(self.swapped)},
             "head": head,

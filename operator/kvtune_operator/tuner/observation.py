@@ -303,6 +303,7 @@ class Observation:
             running = float(_dig(st, "queues", "running", default=0) or 0)
         if waiting is None:
             waiting = float(_dig(st, "queues", "waiting", default=0) or 0)
+        shared = f.get("kvtune_kv_shared_blocks")
         hits = f.get("kvtune_prefix_cache_hits_tokens_total")
         queries = f.get("kvtune_prefix_cache_queries_tokens_total")
         return cls(
@@ -313,6 +314,7 @@ class Observation:
             kv_usage_peak=f.get("kvtune_kv_usage_ratio", agg="max"),
             internal_fragmentation_mean=float(f.get("kvtune_kv_internal_fragmentation_ratio") or 0.0),
             cached_blocks_share=(blocks["cached"] / num_blocks) if num_blocks else None,
+            shared_blocks_share=(shared / num_blocks) if shared is not None and num_blocks else None,
             prefix_cache_hit_rate=(hits / queries) if hits is not None and queries else None,
             preemptions_swap=int(f.get("kvtune_preemptions_total", mode="swap") or 0),
             preemptions_recompute=int(f.get("kvtune_preemptions_total", mode="recompute") or 0),
