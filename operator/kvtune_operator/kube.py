@@ -114,12 +114,16 @@ class Kube:
         """Call a typed API method, returning the JSON body as a dict; None on 404."""
         from kubernetes.client.exceptions import ApiException
 
+        from urllib3.exceptions import HTTPError as TransportError
+
         try:
             resp = fn(*args, _preload_content=False, **kwargs)
         except ApiException as e:
             if e.status == 404:
                 return None
             raise _api_error(e) from None
+        except (TransportError, OSError) as e:  # apiserver down or unreachable: a KubeError like any other
+            raise KubeError(f"cannot reach the Kubernetes API: {e}") from None
         data = resp.data
         return json.loads(data) if data else {}
 

@@ -326,3 +326,23 @@ def test_a_decision_whose_status_was_not_written_posts_no_event():
     out = rec.reconcile("llm", "qwen", status_update={"tuning": {"phase": "Verifying"}}, events=[tuner_event])
     assert out.retry and "status update failed" in out.retry
     assert "TuningApply" not in reasons(kube)
+
+
+def test_an_unreachable_apiserver_is_a_kube_error_and_no_event_is_lost_or_doubled():
+    """The real client against an address where nothing listens (an apiserver outage): every call is
+    a KubeError the reconcile and the tuner already handle, and Kube.event never raises."""
+    from kubernetes import client
+
+    from kvtune_operator.kube import Kube
+
+    cfg = client.Configuration()
+    cfg.host = "http://127.0.0.1:9"
+    cfg.retries = 0
+    kube = Kube(client.ApiClient(cfg))
+    try:
+        kube.get_infd("llm", "qwen")
+    except KubeError as e:
+        assert "cannot reach the Kubernetes API" in str(e)
+    else:
+        raise AssertionError("no error from an unreachable apiserver")
+    kube.event({"metadata": {"name": "qwen", "namespace": "llm"}}, "Normal", "TuningApply", "x")  # logs, no raise
