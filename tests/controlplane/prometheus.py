@@ -10,6 +10,7 @@ Tests can also publish their own targets with `set_targets` (a different SD file
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -97,6 +98,12 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         if not self.detached:
             atexit.register(self.stop)
+        self._launch(binary, timeout)
+        self.started_in = time.monotonic() - t0
+        return self
+
+    def _launch(self, binary: str, timeout: float) -> None:
+        rd = self.run_dir
         self.proc = ManagedProcess("prometheus", [
             binary, f"--config.file={rd / 'prometheus.yml'}", f"--storage.tsdb.path={rd / 'data'}",
             f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1d",
@@ -115,8 +122,18 @@ class Prometheus:
                 self.stop(remove=False)
                 raise TimeoutError(f"prometheus not ready after {timeout}s; log {rd / 'prometheus.log'}")
             time.sleep(0.1)
-        self.started_in = time.monotonic() - t0
-        return self
+
+    @contextlib.contextmanager
+    def down(self, timeout: float = 30.0):
+        """An outage: the server stops (SIGTERM) and, on leaving the block, starts again on the same
+        port and the same storage, as a restarted Prometheus pod with a persistent volume would; the
+        scrapes of the outage are missing."""
+        assert self.proc is not None and self.run_dir is not None
+        self.proc.stop()
+        try:
+            yield self
+        finally:
+            self._launch(prometheus_binary(), timeout)
 
     def stop(self, remove: bool | None = None) -> None:
         atexit.unregister(self.stop)

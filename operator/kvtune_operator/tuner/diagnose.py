@@ -201,8 +201,12 @@ def sequence_cap(w: Window) -> Diagnosis | None:
         where = f"{_n(obs.running_peak)} of {cfg.max_num_seqs} sequences running"
     else:  # the queue gauges missed the busy moments (one scrape): say what the counters saw
         where = f"the cap of {cfg.max_num_seqs} sequences stopped the queue head in {_pct(seqs_share)} of steps"
-    msg = (f"Requests wait on the sequence cap: {where} while KV usage is {_pct(obs.kv_usage_mean)}; "
-           f"raising {CAMEL['max_num_seqs']} to {fit} fits in the free blocks.")
+    if fit > cfg.max_num_seqs:
+        fix = f"raising {CAMEL['max_num_seqs']} to {fit} fits in the free blocks"
+    else:  # the cap is already at the user's bound
+        fix = (f"{CAMEL['max_num_seqs']} is at its bound ({w.bounds.max_num_seqs.hi:g}): a wider "
+               "autotune.bounds.maxNumSeqs or more replicas would let more requests run")
+    msg = (f"Requests wait on the sequence cap: {where} while KV usage is {_pct(obs.kv_usage_mean)}; {fix}.")
     return Diagnosis("SequenceCap", msg, figs, "max_num_seqs", {"max_num_seqs": fit})
 
 
