@@ -108,13 +108,13 @@ HISTOGRAMS: dict[str, tuple[tuple[float, ...], str, str | None, str]] = {
             "vllm:e2e_request_latency_seconds", "Time from arrival to the last output token."),
     "queue": (QUEUE_TIME_BUCKETS, "kvtune_request_queue_time_seconds", "vllm:request_queue_time_seconds",
               "Time from arrival to first being scheduled."),
-    "prompt_tokens": (REQUEST_TOKENS_BUCKETS, "kvtune_request_prompt_tokens", None,
+    "prompt_tokens": (REQUEST_TOKENS_BUCKETS, "kvtune_request_prompt_tokens", "vllm:request_prompt_tokens",
                       "Prompt length of finished requests, in tokens."),
-    "output_tokens": (REQUEST_TOKENS_BUCKETS, "kvtune_request_output_tokens", None,
+    "output_tokens": (REQUEST_TOKENS_BUCKETS, "kvtune_request_output_tokens", "vllm:request_generation_tokens",
                       "Output length of finished requests, in tokens."),
     "step_duration": (STEP_DURATION_BUCKETS, "kvtune_step_duration_seconds", None,
                       "Wall time of one engine step (schedule, forward, sample, bookkeeping)."),
-    "step_tokens": (STEP_TOKENS_BUCKETS, "kvtune_step_batched_tokens", None,
+    "step_tokens": (STEP_TOKENS_BUCKETS, "kvtune_step_batched_tokens", "vllm:iteration_tokens_total",
                     "Tokens computed in one engine step (prefill chunks plus decodes)."),
     "step_context": (STEP_CONTEXT_BUCKETS, "kvtune_step_context_tokens", None,
                      "Sum of the context lengths of the decodes in one engine step (attention cost)."),
@@ -221,50 +221,76 @@ def kvtune_families(s: dict[str, Any], hist: dict[str, Histogram]):
 
 
 def vllm_families(s: dict[str, Any], hist: dict[str, Histogram], model: str):
-    L, V = ["model_name"], [model]
+    """The series of vLLM 0.32 whose concepts our engine shares, with vLLM's names, types and labels
+    (``tests/unit/test_metrics_vllm_names.py`` checks them against a real vLLM's /metrics text).
+
+    Where the concepts differ it says so: every waiting request of ours waits for scheduling capacity
+    (no LoRA budget, no KV transfer), so ``reason="deferred"`` is always 0; we have no queue limits,
+    so ``admission_rejections_total`` stays 0 (a request that can never fit is a 400, counted as
+    ``request_success{finished_reason="error"}`` like vLLM's input errors). Swapped requests (vLLM V1
+    has no swap) count as waiting."""
+    L, V = ["engine", "model_name"], ["0", model]
+    q = s["queues"]
+    waiting = q.get("waiting", 0) + q.get("swapped", 0)
     g = _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels=L)
-    g.add_metric(V, s["queues"].get("running", 0))
+    g.add_metric(V, q.get("running", 0))
     yield g
     g = _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels=L)
-    g.add_metric(V, s["queues"].get("waiting", 0))
+    g.add_metric(V, waiting)
     yield g
-    g = _gauge("vllm:num_requests_swapped", "Number of requests swapped to CPU.", labels=L)
-    g.add_metric(V, s["queues"].get("swapped", 0))
+    g = _gauge("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason: 'capacity' = "
+               "waiting for scheduling capacity; 'deferred' = deferred by transient constraints (none here).",
+               labels=L + ["reason"])
+    g.add_metric(V + ["capacity"], waiting)
+    g.add_metric(V + ["deferred"], 0)
     yield g
     g = _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels=L)
     g.add_metric(V, s["kv_usage_ratio"])
     yield g
     pre = s["preemptions"]
+    pc = s["prefix_cache"]
     for name, doc, value in (
-        ("vllm:num_preemptions", "Cumulative number of preemptions.",
+        ("vllm:num_preemptions", "Cumulative number of preemptions (swap and recompute).",
          pre.get("swap", 0) + pre.get("recompute", 0)),
-        ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", s["prefix_cache"]["queries_tokens"]),
-        ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", s["prefix_cache"]["hits_tokens"]),
+        ("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+         pc["queries_tokens"]),
+        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", pc["hits_tokens"]),
         ("vllm:prompt_tokens", "Number of prefill tokens processed.", s["counters"]["prompt_tokens"]),
+        ("vllm:prompt_tokens_cached", "Number of cached prompt tokens.", pc["hits_tokens"]),
         ("vllm:generation_tokens", "Number of generation tokens processed.",
          s["counters"]["generation_tokens"]),
     ):
         c = CounterMetricFamily(name, doc, labels=L)
         c.add_metric(V, value)
         yield c
-    c = CounterMetricFamily("vllm:request_success", "Count of successfully processed requests.",
+    fin = s["counters"]["requests_finished"]
+    c = CounterMetricFamily("vllm:request_success", "Count of processed requests by finish reason.",
                             labels=L + ["finished_reason"])
     for r in ("stop", "length", "abort"):
-        c.add_metric(V + [r], s["counters"]["requests_finished"].get(r, 0))
+        c.add_metric(V + [r], fin.get(r, 0))
+    c.add_metric(V + ["error"], fin.get("error", 0) + fin.get("rejected", 0))
+    yield c
+    c = CounterMetricFamily("vllm:admission_rejections", "Admission attempts rejected by a queue limit, by "
+                            "reason (this engine has no queue limits: always 0).", labels=["model_name", "reason"])
+    for r in ("max_num_queued_reqs", "max_num_queued_tokens"):
+        c.add_metric([model, r], 0)
     yield c
     cfg = s["config"]
     info = {
         "block_size": str(cfg["block_size"]),
         "num_gpu_blocks": str(s["blocks"].get("total", 0)),
-        "num_cpu_blocks": str(s["swap"].get("total", 0)),
-        "gpu_memory_utilization": _label(cfg["gpu_memory_utilization"]),
-        "swap_space": _label(cfg["swap_space"]),
-        "enable_prefix_caching": _label(cfg["enable_prefix_caching"]),
+        "num_cpu_blocks": str(s["swap"].get("total", 0)) if s["swap"].get("total") else "None",
+        "gpu_memory_utilization": str(cfg["gpu_memory_utilization"]),
+        "enable_prefix_caching": str(bool(cfg["enable_prefix_caching"])),
         "cache_dtype": str(s.get("kv_cache_dtype", "auto")),
+        "user_specified_block_size": "True",
     }
-    g = _gauge("vllm:cache_config_info", "Information of the KV cache config.",
-               labels=L + sorted(info))
-    g.add_metric(V + [info[k] for k in sorted(info)], 1)
+    kv_bytes = (s.get("memory") or {}).get("kv_cache")
+    if kv_bytes:
+        info["kv_cache_memory_bytes"] = str(int(kv_bytes))
+    g = _gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
+               labels=["engine"] + sorted(info))
+    g.add_metric(["0"] + [info[k] for k in sorted(info)], 1)
     yield g
     for key, (_, _name, vname, doc) in HISTOGRAMS.items():
         if vname:

@@ -78,7 +78,7 @@ def test_design_table_names_are_exported(tiny_llama):  # noqa: F811
     info = [s for s in fams["vllm:cache_config_info"].samples][0]
     assert info.labels["block_size"] == "16"
     assert info.labels["num_gpu_blocks"] == str(eng.num_blocks)
-    assert info.labels["model_name"] == eng.model_name
+    assert info.labels["engine"] == "0"  # vLLM's cache_config_info carries engine, not model_name
     assert value(fams, "vllm:num_requests_waiting", model_name=eng.model_name) == 0
     cfg = [s for s in fams["kvtune_engine_config_info"].samples][0].labels
     assert cfg["max_num_seqs"] == str(eng.config.max_num_seqs) and cfg["enable_prefix_caching"] == "true"
