@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
 
-.PHONY: setup demo test test-unit test-gpu controlplane
+.PHONY: setup demo test test-unit test-gpu controlplane vllm
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -17,17 +17,21 @@ setup: $(STAMP)
 controlplane:
 	bash tests/controlplane/setup.sh
 
+# Real vLLM (CPU build) in its own venv .venv-vllm/, for the tests and benchmarks that run it.
+vllm:
+	bash tests/vllm/setup.sh
+
 demo: setup
 	$(BIN)/kvtune demo
 
 # Without a GPU the CUDA-only tests are deselected (reported as such), not skipped.
 NO_GPU := $(if $(shell nvidia-smi -L 2>/dev/null),,-m "not cuda")
 
-test: setup controlplane
+test: setup controlplane vllm
 	$(BIN)/python -m pytest tests $(NO_GPU)
 
 test-unit: setup
-	$(BIN)/python -m pytest tests -m "not integration and not cuda"
+	$(BIN)/python -m pytest tests -m "not integration and not cuda and not vllm"
 
 test-gpu: setup
 	$(BIN)/python -m pytest tests -m cuda

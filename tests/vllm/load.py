@@ -1,0 +1,79 @@
+"""Open-loop load for a real vLLM (or our engine): token-id prompts through /v1/completions.
+
+Why token ids: both engines then see exactly the prompt lengths asked for (no tokenizer in between);
+``ignore_eos`` makes them generate exactly ``max_tokens``. Used by the vLLM tests and bench/.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+import time
+from typing import Any, Sequence
+
+import httpx
+
+
+def prompt_ids(n: int, seed: int, vocab: int = 500, prefix: Sequence[int] = ()) -> list[int]:
+    rng = random.Random(seed)
+    return list(prefix) + [rng.randrange(3, vocab) for _ in range(max(0, n - len(prefix)))]
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, r: dict[str, Any], seed: int,
+               t0: float, results: list) -> None:
+    delay = float(r.get("arrival_s", 0.0)) - (time.monotonic() - t0)
+    if delay > 0:
+        await asyncio.sleep(delay)
+    prefix = prompt_ids(int(r.get("prefix_tokens", 0)), hash(r.get("prefix_group")) & 0xFFFF) \
+        if r.get("prefix_group") else ()
+    body = {"model": model, "prompt": prompt_ids(int(r["prompt_tokens"]), seed, prefix=prefix),
+            "max_tokens": int(r["output_tokens"]), "ignore_eos": True, "temperature": 0.0}
+    sent = time.monotonic()
+    resp = await client.post(url + "/v1/completions", json=body)
+    done = time.monotonic()
+    resp.raise_for_status()
+    usage = resp.json()["usage"]
+    results.append({"sent_s": sent - t0, "latency_s": done - sent, "done_s": done - t0,
+                    "completion_tokens": usage["completion_tokens"], "prompt_tokens": usage["prompt_tokens"]})
+
+
+async def replay_async(url: str, model: str, trace: Sequence[dict[str, Any]], timeout_s: float = 600) -> list[dict]:
+    """Send each trace request at its arrival time; returns one record per request."""
+    results: list[dict] = []
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        t0 = time.monotonic()
+        await asyncio.gather(*(_one(client, url, model, r, i, t0, results) for i, r in enumerate(trace)))
+    return results
+
+
+def replay(url: str, model: str, trace: Sequence[dict[str, Any]], timeout_s: float = 600) -> list[dict]:
+    return asyncio.run(replay_async(url, model, trace, timeout_s))
+
+
+class Background:
+    """``replay`` in a thread: ``with Background(url, model, trace) as bg: ...; bg.results``."""
+
+    def __init__(self, url: str, model: str, trace: Sequence[dict[str, Any]]):
+        self.results: list[dict] = []
+        self.error: BaseException | None = None
+        self._t = threading.Thread(target=self._run, args=(url, model, list(trace)), daemon=True)
+
+    def _run(self, url: str, model: str, trace: list) -> None:
+        try:
+            self.results = replay(url, model, trace)
+        except BaseException as e:  # reported by join()
+            self.error = e
+
+    def __enter__(self) -> "Background":
+        self._t.start()
+        return self
+
+    def join(self, timeout: float | None = None) -> list[dict]:
+        self._t.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+    def __exit__(self, *exc: object) -> None:
+        self._t.join(600)

@@ -1,0 +1,191 @@
+"""Start and stop a real `vllm serve` (the CPU build installed by tests/vllm/setup.sh).
+
+Interface (stable; tests/ and bench/ rely on it)::
+
+    from tests.vllm.server import VllmServer, vllm_bin, VllmNotInstalled
+    with VllmServer(model_dir, run_dir, kv_cache_gib=1.0,
+                    args=["--max-num-seqs", "4", "--max-model-len", "1024"]) as srv:
+        srv.url          # "http://127.0.0.1:PORT" (a free loopback port), /health already answered
+        srv.metrics()    # the /metrics text
+        srv.log_path     # vLLM's stdout+stderr
+    # leaving the block (or srv.stop()) kills the API server; it ends its engine-core children
+
+    python -m tests.vllm.server MODEL_DIR [vllm flags...]   # serve until Ctrl-C, prints the URL
+
+``vllm_bin()`` raises ``VllmNotInstalled`` (message: run ``bash tests/vllm/setup.sh``) when the venv
+is missing; tests call it so that a missing vLLM FAILS them, never skips them. ``VLLM_VENV``
+overrides the venv location (default ``.venv-vllm/`` at the repo root).
+
+Why the environment below (shared/notes/vllm-cpu.md): vLLM's caches (torch.compile, triton, HF,
+its ZMQ socket files) go under ``run_dir`` instead of $HOME and /tmp; ``HF_HUB_OFFLINE=1`` and
+``VLLM_NO_USAGE_STATS=1`` keep it off the network; ``VLLM_CPU_KVCACHE_SPACE`` sizes the KV cache
+(whole GiB; a fractional ``kv_cache_gib`` goes as ``--kv-cache-memory-bytes``) and ``VLLM_CPU_OMP_THREADS_BIND=0-1`` gives the model both cores. Models need head_dim >= 32
+(``kvtune make-tiny-model DIR --head-dim 32``): vLLM's CPU attention refuses smaller ones.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class VllmNotInstalled(RuntimeError):
+    """Real vLLM is not set up; the message says how to set it up."""
+
+
+def vllm_venv() -> Path:
+    return Path(os.environ.get("VLLM_VENV") or REPO / ".venv-vllm")
+
+
+def vllm_bin() -> Path:
+    """Path of the ``vllm`` executable, or VllmNotInstalled saying to run setup.sh."""
+    exe = vllm_venv() / "bin" / "vllm"
+    if not exe.is_file() or not any(vllm_venv().glob(".kvtune-vllm-*")):
+        raise VllmNotInstalled(
+            f"real vLLM is not installed in {vllm_venv()}; install it with:  bash tests/vllm/setup.sh")
+    return exe
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_env(run_dir: Path, kv_cache_gib: float, threads_bind: str = "0-1") -> dict[str, str]:
+    """The environment for ``vllm serve``: caches under run_dir, offline, KV space, thread binding."""
+    run_dir = Path(run_dir)
+    tmp = run_dir / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": str(run_dir / "inductor-cache"),
+        "TRITON_CACHE_DIR": str(run_dir / "triton-cache"),
+        "HF_HOME": str(run_dir / "hf-home"),
+        "TMPDIR": str(tmp),
+        "VLLM_RPC_BASE_PATH": str(tmp),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": threads_bind,
+    })
+    env.pop("VIRTUAL_ENV", None)
+    if float(kv_cache_gib).is_integer():
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+    else:  # vLLM reads the variable as whole GiB; a fraction goes as --kv-cache-memory-bytes (serve_argv)
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    return env
+
+
+def serve_argv(model_dir: Path | str, port: int, args: Sequence[str] = (), kv_cache_gib: float = 1.0) -> list[str]:
+    """``vllm serve`` command line; --dtype float32 and --max-model-len 2048 unless args set them;
+    a fractional ``kv_cache_gib`` as ``--kv-cache-memory-bytes``."""
+    argv = [str(vllm_bin()), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
+    if not float(kv_cache_gib).is_integer() and "--kv-cache-memory-bytes" not in args:
+        argv += ["--kv-cache-memory-bytes", str(int(kv_cache_gib * 1024 ** 3))]
+    if "--dtype" not in args:
+        argv += ["--dtype", "float32"]
+    if "--max-model-len" not in args:
+        argv += ["--max-model-len", "2048"]
+    return argv + list(args)
+
+
+class VllmServer:
+    """One real ``vllm serve`` process on a free loopback port (context manager)."""
+
+    def __init__(self, model_dir: Path | str, run_dir: Path | str, *, kv_cache_gib: float = 1.0,
+                 args: Sequence[str] = (), port: int | None = None, threads_bind: str = "0-1"):
+        self.model_dir = Path(model_dir)
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = serve_argv(self.model_dir, self.port, args, kv_cache_gib)
+        self.env = vllm_env(self.run_dir, kv_cache_gib, threads_bind)
+        self.log_path = self.run_dir / f"vllm-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 420.0) -> "VllmServer":
+        """Start it and wait for /health (start-up is 40-80 s of torch.compile on two cores)."""
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, cwd=self.run_dir, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode} before /health:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise TimeoutError(f"vllm serve not healthy after {timeout_s:.0f}s:\n{self.log_tail()}")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to the API server (it ends its engine-core child); SIGKILL the group if it lingers."""
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # leftovers of its own session (engine core), if any
+        except ProcessLookupError:
+            pass
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> "VllmServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m tests.vllm.server MODEL_DIR [vllm flags...]", file=sys.stderr)
+        return 2
+    run_dir = REPO / "out" / "vllm-run"
+    srv = VllmServer(argv[0], run_dir, args=argv[1:])
+    with srv:
+        print(f"vLLM serving {argv[0]} at {srv.url} (log {srv.log_path})", flush=True)
+        try:
+            while srv.proc and srv.proc.poll() is None:
+                time.sleep(1)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
