@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import AttentionMetadata, PrefillChunk
+from ..attention import AttentionMetadata, PrefillChunk, cpu_paged
 from ..config import EngineConfig
 from ..core.batch import Batch, ScheduledSeq, StepOutput
 from ..kv.sizing import KVCacheSize, kv_bytes_per_token, kv_cache_size
@@ -74,6 +74,8 @@ class ModelRunner:
                 self.model.decode_fn = paged_decode_triton
             else:
                 log.warning("triton is not installed: decode attention uses the PyTorch path")
+        elif not cuda and cpu_paged.enabled():
+            self.model.decode_fn = cpu_paged.paged_decode_cpu
 
         weights = (torch.cuda.memory_allocated(self.device) - before) if cuda else sum(
             p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
