@@ -498,6 +498,13 @@ class PodNode:
                        _content_type="application/strategic-merge-patch+json")
         except _NotFound:
             return
+        except Exception as e:  # noqa: BLE001 - the apiserver is away: the next poll tries again
+            msg = f"cannot patch the status of {lp.namespace}/{lp.name}: {e!r}"
+            if msg not in self.errors:
+                self.errors.append(msg)
+                del self.errors[:-50]
+                self._log.write(msg + "\n")
+            return
         lp.last_patch = text
 
     def _prober(self, lp: LocalPod) -> None:
