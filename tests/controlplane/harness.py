@@ -383,6 +383,9 @@ class ControlPlane:
             "--endpoint-reconciler-type=none", "--allow-privileged=true",
             "--profiling=false", "--v=0",
         ])
+        # The controller-manager exits at once if it cannot reach the apiserver (it loads the
+        # request-header CA from it): start it, and the rest, once the apiserver is ready.
+        self._wait("kube-apiserver /readyz", lambda: self._get("/readyz") == 200, deadline)
         common = [
             f"--kubeconfig={self.kubeconfig}",
             f"--authentication-kubeconfig={self.kubeconfig}",
@@ -413,7 +416,6 @@ class ControlPlane:
             f"--server-address=127.0.0.1:{p['kwok-server']}",
         ])
 
-        self._wait("kube-apiserver /readyz", lambda: self._get("/readyz") == 200, deadline)
         self._create_nodes()
         self._wait("kube-controller-manager /healthz",
                    lambda: _https_status(f"https://127.0.0.1:{p['controller-manager']}/healthz") == 200, deadline)
