@@ -37,6 +37,9 @@ API_CALLS: dict[tuple[str, str], set[str]] = {
     ("apps", "deployments"): {"get", "create", "patch"},
     ("monitoring.coreos.com", "podmonitors"): {"get", "create", "patch"},
     ("", "pods"): {"list"},
+    (m.GROUP, f"{m.PLURAL}/scale"): {"patch"},
+    ("autoscaling", "horizontalpodautoscalers"): {"list"},
+    ("keda.sh", "scaledobjects"): {"list"},
     ("", "persistentvolumeclaims"): {"get"},
     ("", "events"): {"create"},
 }
@@ -89,6 +92,7 @@ class Kube:
         self.apps = client.AppsV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.networking = client.NetworkingV1Api(api_client)
+        self.autoscaling = client.AutoscalingV2Api(api_client)
         self.field_manager = field_manager
         self.component = component
         self.instance = os.environ.get("HOSTNAME") or socket.gethostname()
@@ -181,6 +185,21 @@ class Kube:
     def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
         out = self._call(self.core.list_namespaced_pod, namespace, label_selector=label_selector)
         return list((out or {}).get("items") or [])
+
+    def patch_infd_scale(self, namespace: str, name: str, replicas: int) -> dict[str, Any] | None:
+        """Scale through the resource's scale subresource (spec.replicas), as an autoscaler does."""
+        return self._call(self.custom.patch_namespaced_custom_object_scale, m.GROUP, m.VERSION, namespace,
+                          m.PLURAL, name, {"spec": {"replicas": int(replicas)}}, _content_type=MERGE_CONTENT_TYPE)
+
+    def autoscalers(self, namespace: str) -> list[dict[str, Any]]:
+        """HorizontalPodAutoscalers and KEDA ScaledObjects of the namespace (the latter when KEDA is installed)."""
+        hpas = self._call(self.autoscaling.list_namespaced_horizontal_pod_autoscaler, namespace)
+        out = list((hpas or {}).get("items") or [])
+        if self.served("keda.sh", "v1alpha1", "scaledobjects"):
+            keda = self._call(self.custom.list_namespaced_custom_object, "keda.sh", "v1alpha1", namespace,
+                              "scaledobjects")
+            out += list((keda or {}).get("items") or [])
+        return out
 
     def get_pvc(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._call(self.core.read_namespaced_persistent_volume_claim, name, namespace)

@@ -350,6 +350,10 @@ class Bounds(CRDModel):
     swap_space: SwapRange | None = Field(None, alias="swapSpaceGiB", description="Range of swapSpaceGiB.")
     max_num_seqs: IntRange | None = Field(None, description="Range of maxNumSeqs.")
     max_num_batched_tokens: IntRange | None = Field(None, description="Range of maxNumBatchedTokens.")
+    replicas: IntRange | None = Field(
+        None, description="Range of replicas the tuner may scale to (scale subresource, Apply mode) when one "
+                          "engine is compute-bound and no knob helps; never while a HorizontalPodAutoscaler or a "
+                          "KEDA ScaledObject targets the deployment. Omitted: the replica count is only predicted.")
 
 
 class Objectives(CRDModel):
@@ -479,6 +483,8 @@ class Figures(CRDModel):
     tpot_p95_seconds: float | None = Field(None, ge=0, description="95th percentile time per output token, seconds.")
     throughput_tokens_per_second: float | None = Field(None, ge=0, description="Generated tokens per second.")
     goodput_requests_per_second: float | None = Field(None, ge=0, description="Requests per second meeting the objectives.")
+    replicas_needed: int | None = Field(
+        None, ge=1, description="Replicas predicted to meet the objectives for this load (compute-bound engines).")
     waiting_reason_shares: dict[str, float] | None = Field(
         None, description="Share of steps in which the waiting head was stopped, by reason "
                           "(max_num_seqs, token_budget, kv_blocks, watermark).")
@@ -500,9 +506,9 @@ class TuningDecision(CRDModel):
     """One decision of the tuner, with what it predicted and what was then measured."""
 
     time: Timestamp = Field(..., description="When the decision was taken.")
-    action: Literal["Recommend", "Apply", "Keep", "RollBack", "Hold"] = Field(
-        ..., description="Recommend (not applied), Apply, Keep (verified), RollBack (verified worse) or Hold "
-                         "(nothing better found).")
+    action: Literal["Recommend", "Apply", "Keep", "RollBack", "Hold", "Scale"] = Field(
+        ..., description="Recommend (not applied), Apply, Keep (verified), RollBack (verified worse), Hold "
+                         "(nothing better found) or Scale (replicas changed: the engine is compute-bound).")
     cause: str | None = Field(None, max_length=64, description="The diagnosis cause that led to it.")
     message: str = Field("", max_length=4096, description="The decision in one sentence.")
     before: EngineKnobs | None = Field(None, description="Knobs before the change (only those that change).")  # type: ignore[valid-type]

@@ -30,6 +30,7 @@ from .prometheus import MetricsUnavailable, read_window
 from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
 from .rollout import rollout_failure
+from .scaling import autoscaler_of, replica_target, replicas_needed
 from .tuner.candidates import Bounds
 from .tuner.decide import Decision, Objectives, knob_changes, window_figures
 from .tuner.loop import Round, TunerSettings, measured_figures, tune_round
@@ -53,6 +54,7 @@ class TickResult:
     conditions: list[c.Cond] = field(default_factory=list)
     events: list[EventSpec] = field(default_factory=list)
     applied: dict[str, Any] = field(default_factory=dict)  # knob -> value written to status.engine
+    scale: int | None = None  # replicas to set through the scale subresource (compute-bound, Apply mode)
 
 
 def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSettings:
@@ -121,8 +123,17 @@ def _stamp(t: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(int(t), dt.timezone.utc)
 
 
-def diagnosis_status(rnd: Round, window_s: float, now: float) -> dict[str, Any]:
+def diagnosis_status(rnd: Round, window_s: float, now: float, replicas: int = 1) -> dict[str, Any]:
+    """status.diagnosis of a round; ``replicas``: engine pods now (a compute-bound prediction is for one's share)."""
     o, d = rnd.observation, rnd.diagnosis
+    message, needed = d.message, None
+    if rnd.replicas is not None:
+        per = rnd.replicas.replicas
+        needed = replicas_needed(per, replicas) if per is not None else None
+        message += f" Predicted for one engine's load: {rnd.replicas.message}"
+        if needed is not None and replicas > 1:
+            message += f"; {replicas} replicas run now, so about {needed} in all"
+        message += "."
     figures = Figures(
         kv_usage_percent=round(100 * o.kv_usage_mean, 1),
         waiting=int(round(o.waiting_mean)), running=int(round(o.running_mean)),
@@ -138,8 +149,9 @@ def diagnosis_status(rnd: Round, window_s: float, now: float) -> dict[str, Any]:
         waiting_reason_shares={k: round(v, 3) for k, v in {**dict.fromkeys(WAITING_CAUSES, 0.0),
                                                            **o.waiting_cause_share}.items()},
         prefix_cache_hit_percent=None if o.prefix_cache_hit_rate is None else round(100 * o.prefix_cache_hit_rate, 1),
+        replicas_needed=needed,
     )
-    return Diagnosis(cause=d.cause, message=d.message, figures=figures, observed_at=_stamp(now),
+    return Diagnosis(cause=d.cause, message=message[:4096], figures=figures, observed_at=_stamp(now),
                      window=f"{int(window_s)}s").dump()
 
 
@@ -215,14 +227,37 @@ def _record(out: TickResult, tuning: dict[str, Any], history: list[dict[str, Any
     out.events.append(EventSpec(event_type, f"Tuning{entry['action']}", entry["message"]))
 
 
+def _scale_decision(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None, plan: AutotunePlan,
+                    rnd: Round, autoscaler: str | None, now: float) -> tuple[int, str] | None:
+    """(replicas, why) when a compute-bound round should scale: Apply mode, autotune.bounds.replicas
+    set, no other autoscaler, and no scale within the cooldown. None otherwise (the prediction stays
+    in the diagnosis: a recommendation)."""
+    b = spec.autotune.bounds.replicas if spec.autotune and spec.autotune.bounds else None
+    if b is None or plan.mode != AutotuneMode.APPLY or autoscaler is not None or rnd.replicas is None:
+        return None
+    history = (status.tuning.history if status and status.tuning else None) or []
+    last = next((h for h in reversed(history) if h.action == "Scale"), None)
+    if last is not None and now - last.time.timestamp() < plan.cooldown_s:
+        return None
+    per = rnd.replicas.replicas
+    target = replica_target(replicas_needed(per, spec.replicas) if per is not None else None, spec.replicas,
+                            b.min, b.max)
+    if target is None:
+        return None
+    return target, (f"the engine is compute-bound and no knob helps: scaling {spec.replicas} -> {target} replicas "
+                    f"(autotune.bounds.replicas {b.min or 1}..{b.max if b.max is not None else spec.replicas}); "
+                    f"predicted for one engine's load: {rnd.replicas.message}")
+
+
 def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None, plan: AutotunePlan,
          gathered: Gathered, now: float, *, trial: dict[str, Any] | None = None,
-         base_profile: Profile | None = None) -> TickResult:
+         base_profile: Profile | None = None, autoscaler: str | None = None) -> TickResult:
     """One round of the tuning loop for one deployment: what to write back (never the spec).
 
     A pure function of (status, window, now): the tuner's state is read from ``status.tuning`` and its
     new state is part of the returned status update, written with the decision that made it.
-    `trial`: knobs the user asked to try (kvtune.io/try), decided instead of the tuner's choice."""
+    `trial`: knobs the user asked to try (kvtune.io/try), decided instead of the tuner's choice.
+    `autoscaler`: an HPA or ScaledObject that owns the replica count (the tuner then only predicts)."""
     out = TickResult()
     obs, mode = gathered.observation, plan.mode
     current = effective_engine(spec, status, mode).config
@@ -249,7 +284,8 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         rnd.decision = Decision("change", f"trying the knobs of annotation {TRY_ANNOTATION}", current, cfg,
                                 knob_changes(current, cfg), restart=bool(current.restart_changes(cfg)))
         state.begin(rnd.decision, measured_figures(obs), now, source="Annotation")
-    out.status_update["diagnosis"] = _replacing(old_diagnosis, diagnosis_status(rnd, gathered.window_s, now))
+    out.status_update["diagnosis"] = _replacing(old_diagnosis,
+                                                diagnosis_status(rnd, gathered.window_s, now, spec.replicas))
 
     def record(entry: dict[str, Any], event_type: str) -> None:
         _record(out, tuning, history, entry, event_type)
@@ -282,6 +318,11 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
             phase, message = "Recommended", f"recommends {_camel(d.changes)} (Recommend mode: not applied)"
     elif d is not None and rnd.verdict is None:
         message = d.reason
+    scale = _scale_decision(spec, status, plan, rnd, autoscaler, now) if rnd.replicas is not None else None
+    if scale is not None:
+        out.scale, note = scale
+        record(_decision(now, "Scale", note, cause=rnd.diagnosis.cause), "Normal")
+        phase, message = "Observing", note
     changes = knob_changes(current, target)
     if changes and mode == AutotuneMode.APPLY:
         out.status_update.update(tuned_status(spec, current, changes))
@@ -386,7 +427,11 @@ class TuningLoop:
                 trial = parse_trial({TRY_ANNOTATION: raw})
             except ValueError as e:
                 invalid = EventSpec("Warning", "InvalidTrial", str(e))
-        result = tick(infd.spec, status, plan, gathered, now, trial=trial)
+        scaling = bool(infd.spec.autotune and infd.spec.autotune.bounds and infd.spec.autotune.bounds.replicas)
+        autoscaler = autoscaler_of(self.reconciler.kube.autoscalers(namespace), name) if scaling else None
+        result = tick(infd.spec, status, plan, gathered, now, trial=trial, autoscaler=autoscaler)
+        if result.scale is not None:  # the scale subresource, as an autoscaler would (spec.replicas)
+            self.reconciler.kube.patch_infd_scale(namespace, name, result.scale)
         if invalid is not None or (trial is not None and result.applied):  # each value is tried once
             result.status_update.setdefault("tuning", {})["triedAnnotation"] = raw
         result.events[:0] = [invalid] if invalid else []

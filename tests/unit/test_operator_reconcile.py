@@ -36,6 +36,8 @@ class FakeKube:
         self.fail_kind: str | None = None
         self.rv = 0
         self.calls: list[tuple[str, str]] = []
+        self.hpas: list[dict] = []
+        self.scaled: list[int] = []
 
     def _bump(self) -> str:
         self.rv += 1
@@ -100,6 +102,15 @@ class FakeKube:
     def list_pods(self, namespace, label_selector):
         self.calls.append(("pods", "list"))
         return copy.deepcopy(self.pods)
+
+    def patch_infd_scale(self, namespace, name, replicas):
+        self.calls.append(("inferencedeployments/scale", "patch"))
+        self.infd(name, namespace)["spec"]["replicas"] = replicas
+        self.scaled.append(replicas)
+
+    def autoscalers(self, namespace):
+        self.calls.append(("horizontalpodautoscalers", "list"))
+        return copy.deepcopy(self.hpas)
 
     def get_pvc(self, namespace, name):
         self.calls.append(("persistentvolumeclaims", "get"))

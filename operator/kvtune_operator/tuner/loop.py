@@ -28,6 +28,7 @@ from .diagnose import Diagnosis, Thresholds, diagnose
 from .fit import StepCostFit
 from .observation import Observation
 from .predict import Predictor, RecordingProfile, as_trace, fitted
+from .replicas import ReplicaPrediction, predict_replicas
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,11 @@ class TunerSettings:
     thresholds: Thresholds = field(default_factory=Thresholds)
     #: search: single-knob moves, then combinations of the improving ones
     combine: bool = True
-    #: a healthy window whose goodput share is at least this is left alone
+    #: a healthy window whose goodput share is at least this is left alone (and the share a replica
+    #: count must reach to count as meeting the objectives)
     healthy_goodput_share: float = 0.95
+    #: most replicas a compute-bound prediction tries (spec.autotune.bounds.replicas.max in a cluster)
+    max_replicas: int = 8
 
     @property
     def slo(self) -> SLO:
@@ -58,6 +62,8 @@ class Round:
     fit: StepCostFit | None = None
     predictions: int = 0
     note: str = ""
+    #: compute-bound: the replicas one engine's share of the load needs (None: not predicted)
+    replicas: ReplicaPrediction | None = None
 
     @property
     def changed(self) -> bool:
@@ -142,6 +148,10 @@ class Tuner:
                 preds += extra
                 decision = choose(cfg, baseline, preds, s.objectives, state=st, now=now)
         out = Round(now, obs, diag, cfg, verdict=verdict, decision=decision, fit=fit, predictions=pred.runs)
+        if diag.cause == "ComputeBound" and decision.action != "change":
+            # no knob helps one saturated engine: how many engines would meet the objectives
+            out.replicas = predict_replicas(tr, cfg, profile, s.slo, target_share=s.healthy_goodput_share,
+                                            max_replicas=s.max_replicas)
         if decision.action == "change" and apply:
             st.begin(decision, measured_figures(obs), now)
             out.config = decision.config
