@@ -36,17 +36,33 @@ def _get(client: Any, url: str, path: str, **params: Any) -> Any:
 
 def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limit: int = 2000,
                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = 10.0,
-                admin_key: str | None = None):
+                admin_key: str | None = None, assume: Any = None):
     """Observation of a live engine: its /metrics (one scrape, or several over ``window_s``),
     /kvtune/v1/state and the recent trace. Window 0: counters since the engine started, gauges now.
-    ``admin_key``: the engine's --admin-key (its admin API answers nothing else but loopback)."""
+    ``admin_key``: the engine's --admin-key (its admin API answers nothing else but loopback).
+    A vLLM server (its /metrics has vllm: series only) is read from /metrics alone: returns a
+    `VllmReading` (``.observation``, ``.assumed``) instead of an Observation; ``assume``: the
+    `VllmAssumptions` for what vLLM does not export."""
     import httpx
 
     from .tuner.observation import MetricFigures, Observation
+    from .tuner.vllm_observation import VllmAssumptions, is_vllm, read_vllm, samples_of_scrapes
 
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     with httpx.Client(timeout=timeout_s, headers=headers) as client:
-        scrapes = [MetricFigures.from_prometheus_text(_get(client, url, "/metrics").text)]
+        first = MetricFigures.from_prometheus_text(_get(client, url, "/metrics").text)
+        if is_vllm(first):
+            scrapes = [first]
+            # a gauge seen a few times is a poor sample of the queue: scrape each second at least
+            n = max(1, samples, int(window_s)) if window_s > 0 else 0
+            for _ in range(n):
+                time.sleep(window_s / n)
+                scrapes.append(MetricFigures.from_prometheus_text(_get(client, url, "/metrics").text))
+            figs = MetricFigures.over_scrapes(scrapes)
+            win = window_s if window_s > 0 else _vllm_uptime(first)
+            return read_vllm(figs, samples_of_scrapes(scrapes[1:] or scrapes), window_s=win,
+                             assume=assume or VllmAssumptions(), slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+        scrapes = [first]
         state0 = _get(client, url, "/kvtune/v1/state").json()
         if window_s > 0:
             n = max(1, samples)
@@ -65,6 +81,12 @@ def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limi
                                     slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
 
 
+def _vllm_uptime(figs: Any) -> float:
+    """Seconds since vLLM's counters started (their _created timestamps), for a one-scrape window."""
+    created = [v for (n, _), v in figs.values.items() if n.startswith("vllm:") and n.endswith("_created")]
+    return max(1.0, time.time() - min(created)) if created else 0.0
+
+
 def observation_dict(obs: Any) -> dict[str, Any]:
     """The observation's figures as plain JSON (config in vLLM flag names)."""
     from dataclasses import asdict
@@ -79,7 +101,7 @@ def observation_dict(obs: Any) -> dict[str, Any]:
 
 
 @click.command("diagnose")
-@click.option("--url", required=True, help="The engine's base URL, e.g. http://127.0.0.1:8000.")
+@click.option("--url", required=True, help="The engine's base URL, e.g. http://127.0.0.1:8000 (kvtune or vLLM).")
 @click.option("--window", "window_s", type=float, default=10.0, show_default=True,
               help="Observe this many seconds (several scrapes; counters as increases, gauges averaged). "
                    "0: one scrape, counters since the engine started and gauges as they are now.")
@@ -88,25 +110,53 @@ def observation_dict(obs: Any) -> dict[str, Any]:
 @click.option("--admin-key", envvar="KVTUNE_ADMIN_KEY", default=None,
               help="The engine's admin key (default: $KVTUNE_ADMIN_KEY; in a cluster, the Secret <name>-admin-key). "
                    "Not needed on loopback when the engine has none.")
+@click.option("--assume-max-num-seqs", type=click.IntRange(min=1), default=None,
+              help="vLLM only: the server's --max-num-seqs (vLLM does not export it; default: its default).")
+@click.option("--assume-max-num-batched-tokens", type=click.IntRange(min=1), default=None,
+              help="vLLM only: the server's --max-num-batched-tokens.")
+@click.option("--assume-max-model-len", type=click.IntRange(min=2), default=None,
+              help="vLLM only: the server's --max-model-len.")
+@click.option("--assume-device-memory", "assume_device_gib", type=click.FloatRange(min=0, min_open=True),
+              default=None, help="vLLM only: device memory, GiB (lets the diagnosis size gpu-memory-utilization).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def diagnose_cmd(url: str, window_s: float, slo_ttft: float | None, slo_tpot: float | None, admin_key: str | None,
-                 as_json: bool) -> None:
-    """Why do requests wait on a live engine? Reads its /metrics and /kvtune/v1/state."""
+                 assume_max_num_seqs: int | None, assume_max_num_batched_tokens: int | None,
+                 assume_max_model_len: int | None, assume_device_gib: float | None, as_json: bool) -> None:
+    """Why do requests wait on a live engine? Reads its /metrics and /kvtune/v1/state; on vLLM, its
+    /metrics alone, with what vLLM does not export taken from the --assume-* flags (and said so)."""
     from .tuner.diagnose import diagnose
+    from .tuner.vllm_observation import VllmAssumptions, VllmReading, assumed_text
 
     if window_s < 0:
         _fail("--window must be >= 0 seconds")
-    obs = read_engine(url, window_s=window_s, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, admin_key=admin_key)
+    assume = VllmAssumptions(max_num_seqs=assume_max_num_seqs, max_num_batched_tokens=assume_max_num_batched_tokens,
+                             max_model_len=assume_max_model_len, device_memory_gib=assume_device_gib,
+                             given_by="--assume flag")
+    read = read_engine(url, window_s=window_s, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, admin_key=admin_key,
+                       assume=assume)
+    reading = read if isinstance(read, VllmReading) else None
+    obs = reading.observation if reading else read
     d = diagnose(obs)
     if as_json:
-        click.echo(json.dumps({"url": url, "diagnosis": d.to_dict(), "observation": observation_dict(obs)},
-                              default=_json_default))
+        out = {"url": url, "engine": "vllm" if reading else "kvtune", "diagnosis": d.to_dict(),
+               "observation": observation_dict(obs)}
+        if reading:
+            out["assumed"] = dict(reading.assumed)
+            out["lengths_from"] = "synthesized from vLLM's length histograms"
+        click.echo(json.dumps(out, default=_json_default))
         return
     click.echo(f"{d.cause}: {d.message}")
     share = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(obs.waiting_cause_share.items(), key=lambda kv: -kv[1])
                       if v > 0) or "none"
     click.echo(f"  KV usage {100 * obs.kv_usage_mean:.0f}% of {obs.num_blocks} blocks, "
                f"running {obs.running_mean:.0f} / max {obs.config.max_num_seqs}, waiting {obs.waiting_mean:.0f}")
+    if reading:
+        click.echo(f"  queue head blocked by (share of samples, from vLLM's gauges): {share}")
+        click.echo(f"  preemptions (recompute): {obs.preemptions_recompute}; p50/p99 queue time "
+                   f"{obs.queue_time_p50_s:.2f}/{obs.queue_time_p99_s:.2f}s; prefix hit rate "
+                   + ("n/a" if obs.prefix_cache_hit_rate is None else f"{100 * obs.prefix_cache_hit_rate:.0f}%"))
+        click.echo(f"  vLLM does not export these; assumed: {assumed_text(reading.assumed)}")
+        return
     click.echo(f"  queue head blocked by: {share}")
     click.echo(f"  preemptions: swap {obs.preemptions_swap}, recompute {obs.preemptions_recompute}, "
                f"swap full {obs.swap_full}; internal fragmentation {100 * obs.internal_fragmentation_mean:.0f}%")

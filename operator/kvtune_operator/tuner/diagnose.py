@@ -344,6 +344,13 @@ def binding_limit(w: Window) -> Diagnosis:
                f"({cfg.max_num_batched_tokens} tokens/step); raising {CAMEL['max_num_batched_tokens']} to {v} "
                "admits prefills sooner.")
         return Diagnosis("TokenBudget", msg, w.common, "max_num_batched_tokens", {"max_num_batched_tokens": v})
+    if w.mem is None and cfg.kv_cache_memory is not None:  # a cache sized in GiB (vLLM on CPU, --kv-cache-memory)
+        msg = (f"Too little KV memory: the queue head waits for KV blocks in {_pct(dshare)} of "
+               f"{'samples' if obs.source == 'vllm' else 'steps'} with {obs.preemptions} preemptions; the KV cache "
+               f"is a fixed {cfg.kv_cache_memory:g} GiB ({obs.num_blocks} blocks, usage peak "
+               f"{_pct(obs.kv_usage_peak or obs.kv_usage_mean)}): a larger cache ({CAMEL['kv_cache_memory']}) "
+               f"or a smaller {CAMEL['max_num_seqs']} avoids the preemptions.")
+        return Diagnosis("LowKVMemory", msg, w.common, "kv_cache_memory", {})
     msg = (f"Too little KV memory: the queue head waits for KV blocks in {_pct(dshare)} of steps with "
            f"{obs.preemptions} preemptions, and the device has no safe headroom left "
            f"({CAMEL['gpu_memory_utilization']} {cfg.gpu_memory_utilization:g}); a smaller {CAMEL['max_num_seqs']} "

@@ -1,0 +1,212 @@
+"""An Observation from vLLM's own metrics (vLLM 0.30 and later), for `kvtune diagnose` and the operator.
+
+vLLM tells less than our engine, and this module is where the gap is bridged, each time saying how:
+
+* the waiting split: vLLM's ``num_requests_waiting_by_reason`` only says "capacity" (or "deferred"),
+  not which limit. Each sample (a scrape, or a Prometheus sample) with requests waiting for capacity
+  is put down to the limit its figures show: running at the sequence cap -> ``max_num_seqs``; KV
+  nearly full or a preemption since the last sample -> ``kv_blocks``; otherwise -> ``token_budget``
+  (vLLM V1 stops admitting when the step's tokens are spent). Shares are of samples, not of steps;
+* the config: ``cache_config_info`` gives block size, blocks, memory utilization, prefix caching;
+  ``max_num_seqs``, ``max_num_batched_tokens`` and ``max_model_len`` are not exported, so they come
+  from what the caller knows (flags, the pod's command line) or vLLM's defaults, and every such
+  value is listed in ``assumed``;
+* memory: vLLM exports no device total; with one given, the non-KV memory is what the utilization
+  leaves after the KV cache;
+* the trace: synthesized from the histograms (`synth_trace`), marked as such.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+from kvtune_engine.config import EngineConfig
+from kvtune_engine.knobs import BLOCK_SIZES
+
+from .observation import GiB, LengthStats, MetricFigures, Observation
+from .synth_trace import synthesize_trace
+
+#: vLLM's defaults for the knobs it does not export (vllm serve, V1)
+VLLM_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "max_model_len": 8192}
+#: KV usage from which a capacity wait is put down to KV blocks
+KV_FULL = 0.90
+
+
+def is_vllm(figures: MetricFigures) -> bool:
+    """True for a vLLM /metrics (vllm: series and none of kvtune's own)."""
+    names = {n for n, _ in figures.values}
+    return any(n.startswith("vllm:") for n in names) and not any(n.startswith("kvtune_") for n in names)
+
+
+@dataclass(frozen=True)
+class GaugeSample:
+    """One moment of a vLLM engine: the gauges, and the preemption counter's increase since the last."""
+    running: float
+    waiting: float            # waiting for capacity (all waiting when the split is not exported)
+    kv_usage: float
+    preempted: float = 0.0
+
+
+def samples_of_scrapes(scrapes: Sequence[MetricFigures]) -> list[GaugeSample]:
+    out, prev = [], None
+    for s in scrapes:
+        pre = s.get("vllm:num_preemptions_total") or 0.0
+        cap = s.get("vllm:num_requests_waiting_by_reason", reason="capacity")
+        out.append(GaugeSample(running=s.get("vllm:num_requests_running") or 0.0,
+                               waiting=cap if cap is not None else (s.get("vllm:num_requests_waiting") or 0.0),
+                               kv_usage=s.get("vllm:kv_cache_usage_perc") or 0.0,
+                               preempted=max(0.0, pre - prev) if prev is not None else 0.0))
+        prev = pre
+    return out
+
+
+def classify(sample: GaugeSample, max_num_seqs: int) -> str | None:
+    """The limit a capacity wait is put down to (module docstring); None when nothing waits."""
+    if sample.waiting < 1:
+        return None
+    if sample.running >= max_num_seqs:
+        return "max_num_seqs"
+    if sample.kv_usage >= KV_FULL or sample.preempted > 0:
+        return "kv_blocks"
+    return "token_budget"
+
+
+def waiting_shares(samples: Sequence[GaugeSample], max_num_seqs: int) -> dict[str, float]:
+    causes = [classify(s, max_num_seqs) for s in samples]
+    n = len(causes) or 1
+    return {c: sum(1 for x in causes if x == c) / n for c in ("max_num_seqs", "token_budget", "kv_blocks")}
+
+
+@dataclass(frozen=True)
+class VllmAssumptions:
+    """What the caller knows of vLLM's knobs that its metrics do not say (None: vLLM's default)."""
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    device_memory_gib: float | None = None
+    #: where the given values come from, for the "assumed" notes ("flag", "pod command line" ...)
+    given_by: str = "flag"
+
+
+@dataclass(frozen=True)
+class VllmReading:
+    observation: Observation
+    #: knob -> how its value was arrived at, for every value vLLM's metrics did not give
+    assumed: dict[str, str] = field(default_factory=dict)
+    #: the synthesized trace (marked: never a recorded one)
+    trace: list[dict[str, Any]] = field(default_factory=list)
+    trace_synthesized: bool = True
+
+
+def _bool(v: str | None) -> bool | None:
+    return None if v is None else v.strip().lower() == "true"
+
+
+def _num(v: str | None) -> float | None:
+    try:
+        return float(v) if v not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+def read_vllm(figures: MetricFigures, samples: Sequence[GaugeSample], *, window_s: float,
+              assume: VllmAssumptions = VllmAssumptions(), slo_ttft_s: float | None = None,
+              slo_tpot_s: float | None = None, seed: int = 0) -> VllmReading:
+    """Observation of a vLLM window: ``figures`` as in `Observation.from_metrics` (counter increases,
+    gauge means and maxima), ``samples`` the gauges over the window (at least one)."""
+    f = figures
+    info = f.info_labels("vllm:cache_config_info") or {}
+    assumed: dict[str, str] = {}
+    cfg: dict[str, Any] = {}
+    for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        v = getattr(assume, k)
+        if v is not None:
+            cfg[k] = int(v)
+            assumed[k] = f"{int(v)} ({assume.given_by})"
+    running_peak = max([s.running for s in samples] + [f.get("vllm:num_requests_running", agg="max") or 0.0])
+    if "max_num_seqs" not in cfg:
+        cfg["max_num_seqs"] = VLLM_DEFAULTS["max_num_seqs"]
+        assumed["max_num_seqs"] = f"{cfg['max_num_seqs']} (vLLM's default; not exported: pass the real value)"
+    if running_peak > cfg["max_num_seqs"]:  # the metrics prove the cap is at least this
+        cfg["max_num_seqs"] = int(running_peak)
+        assumed["max_num_seqs"] = f"{int(running_peak)} (more were running than assumed)"
+    for k in ("max_num_batched_tokens", "max_model_len"):
+        if k not in cfg:
+            cfg[k] = VLLM_DEFAULTS[k]
+            assumed[k] = f"{cfg[k]} (vLLM's default; not exported)"
+    bs = int(_num(info.get("block_size")) or 16)
+    if bs not in BLOCK_SIZES:  # the simulator's block sizes; keep the nearest
+        near = min(BLOCK_SIZES, key=lambda b: abs(b - bs))
+        assumed["block_size"] = f"{near} (vLLM's {bs} is outside the simulator's sizes)"
+        bs = near
+    cfg["block_size"] = bs
+    util = _num(info.get("gpu_memory_utilization"))
+    if util is not None:
+        cfg["gpu_memory_utilization"] = min(max(util, 0.01), 1.0)
+    epc = _bool(info.get("enable_prefix_caching"))
+    if epc is not None:
+        cfg["enable_prefix_caching"] = epc
+    cfg["enable_chunked_prefill"] = True   # vLLM V1 always chunks prefills
+    cfg["swap_space"] = 0.0                # and preempts by recompute only
+    cfg["watermark"] = 0.0
+    kv_bytes = _num(info.get("kv_cache_memory_bytes"))
+    num_blocks = int(_num(info.get("num_gpu_blocks")) or 0)
+    memory: dict[str, float] = {}
+    if assume.device_memory_gib is not None and util is not None:
+        total = assume.device_memory_gib * GiB
+        kv = kv_bytes if kv_bytes is not None else 0.0
+        if kv > 0:
+            memory = {"device_total": total, "kv_cache": kv, "weights": max(0.0, util * total - kv),
+                      "activations_peak": 0.0}
+            assumed["device_memory"] = f"{assume.device_memory_gib:g} GiB ({assume.given_by}); non-KV memory = " \
+                                       "utilization x device - KV cache"
+    elif kv_bytes is not None:
+        # no device total (vLLM on CPU sizes its KV cache in GiB): the cache size is the knob
+        cfg["kv_cache_memory"] = round(kv_bytes / GiB, 4)
+        memory = {"kv_cache": kv_bytes}
+    config = EngineConfig.model_validate(cfg)
+
+    win = float(window_s)
+    finished = f.hist_count("vllm:e2e_request_latency_seconds") or 0.0
+    rps = finished / win if win > 0 else 0.0
+    out_tokens = f.get("vllm:generation_tokens_total") or 0.0
+    goodput = rps
+    if slo_ttft_s is not None:
+        goodput = min(goodput, rps * f.hist_cdf("vllm:time_to_first_token_seconds", slo_ttft_s))
+    if slo_tpot_s is not None:
+        goodput = min(goodput, rps * f.hist_cdf("vllm:inter_token_latency_seconds", slo_tpot_s))
+    hits, queries = f.get("vllm:prefix_cache_hits_total"), f.get("vllm:prefix_cache_queries_total")
+    trace = synthesize_trace(f, win, seed=seed, max_model_len=config.max_model_len)
+    q = lambda name, p: f.hist_quantile(name, p)  # noqa: E731
+    running = [s.running for s in samples] or [0.0]
+    waiting = [s.waiting for s in samples] or [0.0]
+    usage = [s.kv_usage for s in samples] or [0.0]
+    pre = int(f.get("vllm:num_preemptions_total") or 0)
+    obs = Observation(
+        config=config, source="vllm", window_s=win,
+        waiting_cause_share=waiting_shares(samples, config.max_num_seqs),
+        num_blocks=num_blocks,
+        kv_usage_mean=sum(usage) / len(usage), kv_usage_peak=max(usage),
+        prefix_cache_hit_rate=(hits / queries) if hits is not None and queries else None,
+        preemptions_recompute=pre,
+        memory=memory,
+        queue_time_p50_s=q("vllm:request_queue_time_seconds", 0.5),
+        queue_time_p95_s=q("vllm:request_queue_time_seconds", 0.95),
+        queue_time_p99_s=q("vllm:request_queue_time_seconds", 0.99),
+        ttft_p50_s=q("vllm:time_to_first_token_seconds", 0.5),
+        ttft_p95_s=q("vllm:time_to_first_token_seconds", 0.95),
+        ttft_p99_s=q("vllm:time_to_first_token_seconds", 0.99),
+        tpot_p50_s=q("vllm:inter_token_latency_seconds", 0.5),
+        tpot_p95_s=q("vllm:inter_token_latency_seconds", 0.95),
+        tpot_p99_s=q("vllm:inter_token_latency_seconds", 0.99),
+        output_tokens_per_s=out_tokens / win if win > 0 else 0.0,
+        requests_per_s=rps, goodput_requests_per_s=goodput, requests_finished=int(finished),
+        running_mean=sum(running) / len(running), running_peak=max(running),
+        waiting_mean=sum(waiting) / len(waiting), waiting_peak=max(waiting),
+        lengths=LengthStats.from_trace(trace) if trace else None,
+    )
+    return VllmReading(obs, assumed, trace, True)
+
+
+def assumed_text(assumed: Mapping[str, str]) -> str:
+    return "; ".join(f"{k} = {v}" for k, v in assumed.items())

@@ -1,0 +1,59 @@
+"""Reading vLLM's /metrics: the real text of a vLLM 0.32 server (shared/reference) and the rules that
+put a capacity wait down to a limit."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvtune_operator.tuner.observation import MetricFigures
+from kvtune_operator.tuner.synth_trace import synthesize_trace
+from kvtune_operator.tuner.vllm_observation import (GaugeSample, VllmAssumptions, classify, is_vllm, read_vllm,
+                                                    samples_of_scrapes)
+
+REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "vllm-0.32-cpu-metrics.txt"
+if not REFERENCE.exists():
+    REFERENCE = Path("/work/shared/reference/vllm-0.32-cpu-metrics.txt")
+
+
+def test_real_vllm_text_reads_its_cache_config_and_says_what_it_assumed():
+    figs = MetricFigures.from_prometheus_text(REFERENCE.read_text())
+    assert is_vllm(figs)
+    r = read_vllm(figs, samples_of_scrapes([figs]), window_s=60.0)
+    cfg = r.observation.config
+    assert cfg.block_size == 128 and r.observation.num_blocks == 8192
+    assert cfg.kv_cache_memory == 1.0            # kv_cache_memory_bytes 1 GiB (vLLM on CPU)
+    assert cfg.enable_chunked_prefill and cfg.swap_space == 0   # V1: always chunked, recompute only
+    assert set(r.assumed) >= {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
+    assert "not exported" in r.assumed["max_num_seqs"]
+    assert r.observation.requests_finished == 1 and r.trace_synthesized
+
+
+def test_given_values_are_used_and_named_as_given():
+    figs = MetricFigures.from_prometheus_text(REFERENCE.read_text())
+    r = read_vllm(figs, samples_of_scrapes([figs]), window_s=60.0,
+                  assume=VllmAssumptions(max_num_seqs=8, max_num_batched_tokens=512, given_by="pod command line"))
+    assert r.observation.config.max_num_seqs == 8 and r.observation.config.max_num_batched_tokens == 512
+    assert r.assumed["max_num_seqs"] == "8 (pod command line)"
+
+
+def test_capacity_waits_are_put_down_to_the_limit_the_gauges_show():
+    assert classify(GaugeSample(running=4, waiting=0, kv_usage=0.1), 4) is None
+    assert classify(GaugeSample(running=4, waiting=3, kv_usage=0.1), 4) == "max_num_seqs"
+    assert classify(GaugeSample(running=2, waiting=3, kv_usage=0.95), 4) == "kv_blocks"
+    assert classify(GaugeSample(running=2, waiting=3, kv_usage=0.5, preempted=1), 4) == "kv_blocks"
+    assert classify(GaugeSample(running=2, waiting=3, kv_usage=0.5), 4) == "token_budget"
+
+
+def test_synthesized_trace_follows_the_histograms():
+    f = MetricFigures()
+    for le, c in ((10, 0), (100, 50), (1000, 100), (float("inf"), 100)):
+        f.set("vllm:request_prompt_tokens_bucket", c, le=str(le))
+        f.set("vllm:request_generation_tokens_bucket", 100 if le >= 100 else 0, le=str(le))
+    f.set("vllm:request_prompt_tokens_count", 100)
+    f.set("vllm:request_prompt_tokens_sum", 100 * 300)
+    tr = synthesize_trace(f, 50.0, seed=1)
+    assert len(tr) == 100
+    prompts = sorted(r["prompt_tokens"] for r in tr)
+    assert 10 < prompts[0] and prompts[-1] <= 1000 and 60 <= prompts[50] <= 250
+    assert all(10 < r["output_tokens"] <= 100 for r in tr)
+    assert 25 <= tr[-1]["arrival_s"] <= 80      # 2 requests/s over a 50 s window
+    assert synthesize_trace(f, 50.0, seed=1) == tr
