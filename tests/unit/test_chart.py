@@ -113,3 +113,29 @@ def test_helm_lint_and_template():
     env = {e["name"]: e["value"] for e in next(d for d in scoped if d["kind"] == "Deployment")[
         "spec"]["template"]["spec"]["containers"][0]["env"]}
     assert Settings.from_env(env).namespaces == ("a", "b")
+
+
+def test_inference_pool_selects_the_deployments_engine_pods():
+    """An InferencePool per listed InferenceDeployment: its pods (the operator's selector labels), port
+    8000, the endpoint picker named; none by default."""
+    from kvtune_operator.render import PORT, selector_labels
+
+    assert not [d for d in _template() if d["kind"] == "InferencePool"]
+    docs = _template("--set", "inferencePools[0].inferenceDeployment=qwen3-chat",
+                     "--set", "inferencePools[0].namespace=models",
+                     "--set", "inferencePools[0].endpointPicker.name=qwen3-epp")
+    pools = [d for d in docs if d["kind"] == "InferencePool"]
+    assert len(pools) == 1
+    p = pools[0]
+    assert p["apiVersion"] == "inference.networking.k8s.io/v1"
+    assert p["metadata"]["name"] == "qwen3-chat" and p["metadata"]["namespace"] == "models"
+    assert p["spec"]["selector"]["matchLabels"] == selector_labels("qwen3-chat")
+    assert p["spec"]["targetPorts"] == [{"number": PORT}]
+    assert p["spec"]["endpointPickerRef"] == {"name": "qwen3-epp", "kind": "Service", "port": {"number": 9002},
+                                              "failureMode": "FailClose"}
+    helm = _helm()
+    bad = subprocess.run([helm, "template", "t", str(CHART), "--set", "inferencePools[0].inferenceDeployment=x"],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache", "HELM_CONFIG_HOME": "/tmp/helm-cfg",
+                              "HELM_DATA_HOME": "/tmp/helm-data"})
+    assert bad.returncode != 0 and "endpointPicker" in bad.stderr
