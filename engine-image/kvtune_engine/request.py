@@ -1,4 +1,8 @@
-"""A request as the scheduler sees it: token ids, progress, sampling parameters; no text, no torch."""
+"""A request as the scheduler sees it: token ids, progress, sampling parameters; no text, no torch.
+
+A leaf module (imports nothing of the engine): the KV layer (kv/) and the scheduler (core/) both
+name `Request`, and neither package imports the other for it.
+"""
 from __future__ import annotations
 
 import enum

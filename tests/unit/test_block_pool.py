@@ -83,12 +83,12 @@ def test_pool_invariants_hold_after_every_operation(num_blocks, ops):
                 key = next_key.to_bytes(8, "little")
                 next_key += 1
                 had_key = pool.key_of[b] is not None
-                assert pool.register(b, key) is not had_key       # a block is published once
+                assert (pool.publish([key], [b]) == 1) is not had_key   # a block is published once
                 assert pool.lookup(key) == (None if had_key else b)
             elif pool.cached:   # a key already taken never moves to another block
                 key = next(iter(pool.cached))
                 owner = pool.cached[key]
-                pool.register(b, key)
+                assert pool.publish([key], [b]) == 0
                 assert pool.cached[key] == owner
         pool.check()
         _model_refs(pool, holders)
@@ -99,8 +99,7 @@ def test_pool_invariants_hold_after_every_operation(num_blocks, ops):
 def test_freed_cached_blocks_are_reused_in_lru_order_and_evicted_only_when_needed():
     pool = BlockPool(4)
     a, b, c, d = pool.allocate(4)
-    for blk, k in ((a, b"a"), (b, b"b"), (c, b"c")):
-        pool.register(blk, k)
+    assert pool.publish([b"a", b"b", b"c"], [a, b, c]) == 3
     pool.free([b])        # idle order: b, then a, then c
     pool.free([a])
     pool.free([c])
@@ -127,8 +126,7 @@ def test_allocation_succeeds_whenever_the_count_covers_it_whatever_the_layout(nu
     n_free = data.draw(st.integers(0, num_blocks))
     n_cached = data.draw(st.integers(0, num_blocks - n_free))
     to_free, to_cache = blocks[:n_free], blocks[n_free:n_free + n_cached]
-    for i, b in enumerate(to_cache):
-        pool.register(b, f"k{i}".encode())
+    pool.publish([f"k{i}".encode() for i in range(len(to_cache))], to_cache)
     pool.free(to_free + to_cache)      # the rest stay used, scattered among them
     need = pool.num_allocatable
     assert need == n_free + n_cached

@@ -51,7 +51,7 @@ def test_sliding_window_longer_than_max_model_len_is_refused(tiny_model, tmp_pat
     ModelRunner(d, cfg(max_model_len=128))
 
 
-def test_swap_out_in_and_copy_move_whole_blocks(runner):
+def test_swap_out_and_in_move_whole_blocks(runner):
     k, v = runner.k_cache, runner.v_cache
     k[:, :, 3].normal_()
     v[:, :, 3].normal_()
@@ -60,8 +60,6 @@ def test_swap_out_in_and_copy_move_whole_blocks(runner):
     k[:, :, 3].zero_()
     runner.execute(Batch(swap_in=[(1, 7)]))
     assert torch.equal(k[:, :, 7], k3) and torch.equal(v[:, :, 7], v3)
-    runner.execute(Batch(copy=[(7, 9)]))
-    assert torch.equal(k[:, :, 9], k3) and torch.equal(v[:, :, 9], v3)
 
 
 def test_flat_inputs_put_decodes_first(runner):

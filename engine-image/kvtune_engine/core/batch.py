@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .request import Request
+from ..request import Request
 
 
 @dataclass(slots=True)
@@ -35,7 +35,6 @@ class Batch:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)   # (host block, device block)
-    copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst) device blocks
     num_batched_tokens: int = 0
     num_decode_context_tokens: int = 0  # sum of context lengths of the decodes (cost model input)
 

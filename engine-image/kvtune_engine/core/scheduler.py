@@ -21,7 +21,7 @@ from collections import deque
 from ..config import LIVE_KNOBS, ConfigError, EngineConfig
 from ..kv.kv_manager import KVManager
 from .batch import Batch, ScheduledSeq, StepOutput
-from .request import FinishReason, Request, RequestStatus
+from ..request import FinishReason, Request, RequestStatus
 from .stats import SchedulerStats
 
 RUNNING, WAITING, SWAPPED, FINISHED = (RequestStatus.RUNNING, RequestStatus.WAITING,
@@ -119,7 +119,7 @@ class Scheduler:
         return req
 
     def _release(self, req: Request, reason: FinishReason, now: float | None) -> None:
-        if req in self.kv.tables:
+        if self.kv.on_device(req):
             self.computed_tokens -= req.num_computed_tokens
         self.kv.free(req)
         del self.requests[req.request_id]
@@ -148,7 +148,6 @@ class Scheduler:
         if not (self._run or self.waiting or self.swapped):
             return batch
         cfg, bs, kv = self.config, self.block_size, self.kv
-        pool = kv.pool
         chunked = cfg.enable_chunked_prefill
         budget = cfg.max_num_batched_tokens
         run = self._run
@@ -214,13 +213,12 @@ class Scheduler:
         (never ones already scheduled this step) until they fit. False when `seq` itself had to
         go: preempted, or finished because even alone it outgrows the whole cache."""
         kv = self.kv
-        pool = kv.pool
-        if need > pool.num_allocatable:
+        if need > kv.num_allocatable:
             run = self._run
-            while need > pool.num_allocatable and run[-1] is not seq:
+            while need > kv.num_allocatable and run[-1] is not seq:
                 self._preempt(run.pop().request, batch)
                 self._preempted = True
-            if need > pool.num_allocatable:
+            if need > kv.num_allocatable:
                 run.pop()                        # `seq` itself, now the newest running request
                 req = seq.request
                 if run:
@@ -256,7 +254,7 @@ class Scheduler:
         bs = self.block_size
         total = len(req.prompt_token_ids) + len(req.output_token_ids)
         if swapped:
-            held = len(self.kv.host_tables[req])
+            held = self.kv.num_host_blocks(req)
             computed = req.num_computed_tokens
             return [], computed, total - computed, held + max(0, -(-total // bs) - held)
         hits = self.kv.cached_prefix(req) if self.config.enable_prefix_caching else []
@@ -265,7 +263,7 @@ class Scheduler:
 
     def _admit(self, queue: deque, swapped: bool, now: float, batch: Batch, budget: int, ctx: int):
         cfg, bs, kv = self.config, self.block_size, self.kv
-        pool, run = kv.pool, self._run
+        run = self._run
         max_seqs, chunked = cfg.max_num_seqs, cfg.enable_chunked_prefill
         caching = cfg.enable_prefix_caching
         while queue:
@@ -277,7 +275,7 @@ class Scheduler:
             total = len(req.prompt_token_ids) + len(req.output_token_ids)
             if swapped:
                 hits, computed = [], req.num_computed_tokens
-                held = len(kv.host_tables[req])
+                held = kv.num_host_blocks(req)
             else:
                 hits = kv.cached_prefix(req) if caching else []
                 held = len(hits)
@@ -289,7 +287,7 @@ class Scheduler:
                 n = budget
             new_blocks = max(0, (computed + n + bs - 1) // bs - held)
             take = (held + new_blocks) if swapped else kv.blocks_to_take(hits, new_blocks)
-            avail = pool.num_allocatable
+            avail = kv.num_allocatable
             if take > avail:
                 return "kv_blocks", budget, ctx
             if run and take > avail - self.reserve_blocks:
@@ -297,7 +295,7 @@ class Scheduler:
             queue.popleft()
             if swapped:
                 batch.swap_in += kv.swap_in(req)
-                table = kv.tables[req]
+                table = kv.table(req)
                 if new_blocks:
                     kv.grow(table, new_blocks)
             else:
@@ -385,11 +383,11 @@ class Scheduler:
     # ------------------------------------------------------------------ what it reports
     @property
     def kv_usage_ratio(self) -> float:
-        return self.kv.pool.num_used / self.num_blocks
+        return self.kv.num_used / self.num_blocks
 
     @property
     def internal_fragmentation_ratio(self) -> float:
-        used = self.kv.pool.num_used
+        used = self.kv.num_used
         if not used:
             return 0.0
         return (self.kv.num_table_blocks * self.block_size - self.computed_tokens) / (used * self.block_size)
@@ -403,15 +401,15 @@ class Scheduler:
     def block_counts(self) -> dict[str, int]:
         """Blocks by state, a partition of the pool: free (unreserved), reserved (free blocks held
         back by the watermark), used (referenced), cached (idle, reusable, evictable)."""
-        pool = self.kv.pool
-        free = pool.num_free
+        kv = self.kv
+        free = kv.num_free
         reserved = min(free, self.reserve_blocks)
-        return {"free": free - reserved, "reserved": reserved, "used": pool.num_used,
-                "cached": pool.num_cached_idle}
+        return {"free": free - reserved, "reserved": reserved, "used": kv.num_used,
+                "cached": kv.num_cached_idle}
 
     def snapshot(self) -> dict:
         """JSON-able state for the admin API: config, blocks, queues, the head and why it waits."""
-        pool = self.kv.pool
+        kv = self.kv
         head = None
         queue, swapped = (self.swapped, True) if self.swapped else (self.waiting, False)
         if queue:
@@ -426,8 +424,8 @@ class Scheduler:
             "num_blocks": self.num_blocks,
             "num_swap_blocks": self.num_swap_blocks,
             "blocks": self.block_counts(),
-            "allocatable_blocks": max(0, pool.num_allocatable - self.reserve_blocks),
-            "shared_blocks": pool.num_shared,
+            "allocatable_blocks": max(0, kv.num_allocatable - self.reserve_blocks),
+            "shared_blocks": kv.num_shared,
             "queues": {"running": len(self._run), "waiting": len(self.waiting),
                        "swapped": len(self.swapped)},
             "head": head,
@@ -447,12 +445,12 @@ class Scheduler:
             r = s.request
             assert r.status is RUNNING
             assert s.computed == r.num_computed_tokens and s.total == r.num_tokens, "stale batch entry"
-            assert s.block_table is self.kv.tables[r], "batch entry and KV manager disagree on the table"
+            assert s.block_table is self.kv.table(r), "batch entry and KV manager disagree on the table"
             assert s.slots == len(s.block_table) * self.block_size
         for r in self.waiting:
-            assert r.status is WAITING and r not in self.kv.tables and r not in self.kv.host_tables
+            assert r.status is WAITING and not self.kv.on_device(r) and not self.kv.is_swapped(r)
         for r in self.swapped:
-            assert r.status is SWAPPED and r in self.kv.host_tables
-        assert set(self.kv.tables) == set(running)
+            assert r.status is SWAPPED and self.kv.is_swapped(r)
+        assert all(self.kv.on_device(r) for r in running) and self.kv.num_tables == len(running)
         assert self.computed_tokens == sum(r.num_computed_tokens for r in running)
         self.kv.check({r: r.num_computed_tokens for r in (*running, *self.swapped)})

@@ -125,14 +125,29 @@ class BlockPool:
                 else:
                     idle[b] = None
 
-    def register(self, block: int, key: bytes) -> bool:
-        """Publish a full, computed block under its cache key. False if the key is already taken
-        (another request computed the same content first) or the block already has a key."""
-        if key in self.cached or self.key_of[block] is not None:
-            return False
-        self.cached[key] = block
-        self.key_of[block] = key
-        return True
+    def publish(self, keys: list[bytes], blocks: list[int]) -> int:
+        """Publish full, computed blocks under their cache keys (keys[i] for blocks[i]); returns how
+        many were published. A key already taken (another request computed the same content first)
+        or a block that already has a key is left as it is."""
+        cached, key_of = self.cached, self.key_of
+        n = 0
+        for k, b in zip(keys, blocks):
+            if k not in cached and key_of[b] is None:
+                cached[k] = b
+                key_of[b] = k
+                n += 1
+        return n
+
+    def longest_cached(self, keys: list[bytes]) -> list[int]:
+        """Blocks cached under keys[0], keys[1], ... up to the first key that is not cached."""
+        cached = self.cached
+        out = []
+        for key in keys:
+            b = cached.get(key)
+            if b is None:
+                break
+            out.append(b)
+        return out
 
     def lookup(self, key: bytes) -> int | None:
         return self.cached.get(key)

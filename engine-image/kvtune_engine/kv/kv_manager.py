@@ -1,5 +1,8 @@
 """Per-request KV state on top of the block pool: block tables, prefix-cache keys, the host swap pool.
 
+The scheduler and the simulator go through this class for everything about blocks (what to take,
+what is allocatable, counts, usage); the block pool and the tables are this layer's own.
+
 Invariant owned here: a request on the device has a block table of exactly the blocks covering the
 tokens it has been given slots for (the scheduler keeps that at ceil(computed / block_size) between
 steps); a swapped request has a host table instead, never both.
@@ -16,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 
-from ..core.request import Request
+from ..request import Request
 from .block_pool import BlockPool, NoFreeBlocks
 
 _ROOT = b"kvtune-prefix-root"
@@ -57,6 +60,56 @@ class KVManager:
         self._published: dict[Request, int] = {}          # leading table blocks already in the cache
         self.num_table_blocks = 0                         # sum of len(table) over device tables
 
+    # ---- what the scheduler and the simulator read (they never reach into the pool) ----
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_allocatable(self) -> int:
+        """Blocks an admission or growth may take now: free plus evictable idle cached blocks."""
+        return self.pool.num_allocatable
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.pool.num_used
+
+    @property
+    def num_cached_idle(self) -> int:
+        return self.pool.num_cached_idle
+
+    @property
+    def num_shared(self) -> int:
+        """Blocks referenced by more than one block table (prefix sharing)."""
+        return self.pool.num_shared
+
+    @property
+    def num_used_swap_blocks(self) -> int:
+        return self.num_swap_blocks - len(self._host_free)
+
+    @property
+    def num_tables(self) -> int:
+        """Requests with a device block table."""
+        return len(self.tables)
+
+    def on_device(self, req: Request) -> bool:
+        return req in self.tables
+
+    def is_swapped(self, req: Request) -> bool:
+        return req in self.host_tables
+
+    def num_host_blocks(self, req: Request) -> int:
+        """Blocks a swapped request holds in the host pool (what its swap-in brings back)."""
+        return len(self.host_tables[req])
+
+    def table(self, req: Request) -> list[int]:
+        """The request's device block table (the scheduler's own reference: it grows in place)."""
+        return self.tables[req]
+
     # ---- prefix cache ----
     def keys(self, req: Request) -> list[bytes]:
         k = self._keys.get(req)
@@ -70,14 +123,7 @@ class KVManager:
         limit = (len(req.prompt_token_ids) + len(req.output_token_ids) - 1) // self.block_size
         if limit <= 0:
             return []
-        cached = self.pool.cached
-        out = []
-        for key in self.keys(req)[:limit]:
-            b = cached.get(key)
-            if b is None:
-                break
-            out.append(b)
-        return out
+        return self.pool.longest_cached(self.keys(req)[:limit])
 
     def commit(self, req: Request, num_computed: int) -> None:
         """Publish the request's full prompt blocks computed so far under their prefix keys."""
@@ -86,13 +132,7 @@ class KVManager:
         upto = min(num_computed // self.block_size, len(keys), len(table))
         start = self._published.get(req, 0)
         if upto > start:
-            pool = self.pool
-            cached, key_of = pool.cached, pool.key_of
-            for i in range(start, upto):      # BlockPool.register, inlined: this runs per prompt block
-                k, b = keys[i], table[i]
-                if k not in cached and key_of[b] is None:
-                    cached[k] = b
-                    key_of[b] = k
+            self.pool.publish(keys[start:upto], table[start:upto])
             self._published[req] = upto
 
     def clear_cache(self) -> None:

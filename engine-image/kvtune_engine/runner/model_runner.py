@@ -2,7 +2,7 @@
 
 It owns the device KV cache (K and V tensors `[layers, kv_heads, num_blocks, block_size, head_dim]`,
 zero-filled so that padded reads stay finite), the host swap pool of the same layout (pinned on CUDA),
-and the sampler. Each step: swap out, swap in, copy blocks; flatten the batch (decodes first, then
+and the sampler. Each step: swap out, swap in; flatten the batch (decodes first, then
 prefill chunks) into token ids, positions and slot mapping; run the model; sample one token for
 every sequence that ends its prompt or decodes.
 
@@ -144,8 +144,8 @@ class ModelRunner:
         return int(peak - weights + non_torch)
 
     # ------------------------------------------------------------------ block moves
-    def _swap_and_copy(self, batch: Batch) -> None:
-        """Whole blocks, all layers, K and V: out to the host pool, back in, and device copies."""
+    def _swap(self, batch: Batch) -> None:
+        """Whole blocks, all layers, K and V: out to the host pool, then back in."""
         dev = self.device
         pairs = ((self.k_cache, self.swap_k), (self.v_cache, self.swap_v))
         if batch.swap_out:
@@ -158,11 +158,6 @@ class ModelRunner:
             dst = torch.tensor([b for _, b in batch.swap_in], device=dev)
             for d, h in pairs:
                 d.index_copy_(2, dst, h.index_select(2, src).to(dev))
-        if batch.copy:
-            src = torch.tensor([a for a, _ in batch.copy], device=dev)
-            dst = torch.tensor([b for _, b in batch.copy], device=dev)
-            for d, _ in pairs:
-                d.index_copy_(2, dst, d.index_select(2, src))
 
     # ------------------------------------------------------------------ inputs
     def prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
@@ -218,7 +213,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> StepOutput:
         t0 = time.perf_counter()
-        self._swap_and_copy(batch)
+        self._swap(batch)
         seqs = batch.seqs
         tokens: list[int | None] = [None] * len(seqs)
         logprobs = None
@@ -237,6 +232,6 @@ class ModelRunner:
                     logprobs = [None] * len(seqs)
                     for i, lp in zip(sampled, lps):
                         logprobs[i] = lp
-        elif self.device.type == "cuda" and (batch.swap_out or batch.swap_in or batch.copy):
+        elif self.device.type == "cuda" and (batch.swap_out or batch.swap_in):
             torch.cuda.synchronize(self.device)
         return StepOutput(tokens=tokens, duration_s=time.perf_counter() - t0, logprobs=logprobs, failed=failed)

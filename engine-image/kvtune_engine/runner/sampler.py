@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from ..core.request import Request, SamplingParams
+from ..request import Request, SamplingParams
 from ..outputs import TokenLogprob
 
 log = logging.getLogger("kvtune.sampler")

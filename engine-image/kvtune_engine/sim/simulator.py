@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..config import EngineConfig
 from ..core.batch import StepOutput
-from ..core.request import Request, SamplingParams
+from ..request import Request, SamplingParams
 from ..core.scheduler import RequestRejected, Scheduler
 from ..core.stats import CAUSES
 from .profile import Profile
@@ -127,7 +127,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
     order = sorted(range(len(trace)), key=lambda j: trace[j].arrival_s)
     tokens = _Tokens()
     schedule, execute, update = sched.schedule, runner.execute, sched.update
-    pool, kv = sched.kv.pool, sched.kv
+    kv = sched.kv
     nb, bs, reserve = size.num_blocks, config.block_size, sched.reserve_blocks
     waiting, swapped = sched.waiting, sched.swapped
     busy = usage = frag = shared = running = queued = free_t = reserved_t = cached_t = 0.0
@@ -164,7 +164,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
         dt = out.duration_s
         # the cache as it is during this step (blocks for the tokens being computed included),
         # weighted by the step's duration: what averaging a scraped gauge over time gives
-        n_free, n_idle = pool.num_free, pool.num_cached_idle
+        n_free, n_idle = kv.num_free, kv.num_cached_idle
         used = nb - n_free - n_idle
         busy += dt
         usage += used * dt
@@ -172,7 +172,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
             used_max = used
         if used:
             frag += (kv.num_table_blocks * bs - sched.computed_tokens - batch.num_batched_tokens) / (used * bs) * dt
-        shared += pool.num_shared * dt
+        shared += kv.num_shared * dt
         nr = sched.num_running
         running += nr * dt
         if nr > running_max:
