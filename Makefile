@@ -12,7 +12,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[engine,test]'
 	touch $@
 
+# The CPU paged-attention kernel is compiled on first use (cached by source and CPU): build it here,
+# not inside the first engine a timed test or the demo starts.
 setup: $(STAMP)
+	$(BIN)/python -c "from kvtune_engine.attention.cpu_paged import check; check()"
 
 controlplane:
 	bash tests/controlplane/setup.sh

@@ -17,10 +17,13 @@ BlockWaste             waits for blocks / preemptions with a large share of     
                        empty tail slots; a smaller block wastes much less
 LowKVMemory            waits for blocks / preemptions while device memory is    gpuMemoryUtilization
                        left unused under the safe line
+PrefillStallsDecodes   nothing waits but TPOT misses its objective: steps       maxNumBatchedTokens
+                       with a prefill chunk stall the decodes sharing them
 TokenBudget            the head waits on the token budget, no long prompt       maxNumBatchedTokens
 ComputeBound           requests queue but no limit stops the head: the engine   (replicas)
                        is busy computing; KV knobs will not help
-Healthy                the head is rarely blocked, few preemptions, short queue (none)
+Healthy                the head is rarely blocked, few preemptions, short       (none)
+                       queue, and the objectives are met
 =====================  ======================================================  =========================
 
 The order of the checks is the order of the table: a full swap pool and a head-of-line prompt are
@@ -39,7 +42,7 @@ from .memory import MemoryPicture, Safety, swap_needed_gib
 from .observation import GiB, Observation
 
 CAUSES = ("SwapFull", "LongPromptHeadOfLine", "SequenceCap", "SharedPrefixPinning", "BlockWaste",
-          "LowKVMemory", "TokenBudget", "ComputeBound", "Healthy")
+          "LowKVMemory", "PrefillStallsDecodes", "TokenBudget", "ComputeBound", "Healthy")
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,10 @@ def _secs(x: float) -> str:
     return f"{x:.2f}s" if x < 10 else f"{x:.0f}s"
 
 
+def _ms(x: float) -> str:
+    return f"{1000 * x:.0f}ms" if x < 10 else f"{x:.0f}s"
+
+
 def _n(x: float) -> str:
     return f"{x:.0f}" if abs(x - round(x)) < 0.05 or x >= 10 else f"{x:.1f}"
 
@@ -105,6 +112,7 @@ class Window:
     blocks_share: float
     pre_per_min: float
     common: dict[str, Any]
+    slo: Any = None                 # the objectives (simulator SLO: ttft_s, tpot_s), when known
 
     @property
     def cfg(self):
@@ -114,8 +122,17 @@ class Window:
     def mem_pressure(self) -> bool:
         return self.blocks_share >= self.th.blocked_share or self.pre_per_min >= self.th.preemptions_per_min
 
+    def objectives_missed(self) -> list[str]:
+        """The p95 objectives this window misses, in words ("TPOT p95 55ms > 35ms")."""
+        o, slo, out = self.obs, self.slo, []
+        if slo is not None and slo.ttft_s is not None and o.ttft_p95_s > slo.ttft_s:
+            out.append(f"TTFT p95 {_ms(o.ttft_p95_s)} > {_ms(slo.ttft_s)}")
+        if slo is not None and slo.tpot_s is not None and o.tpot_p95_s > slo.tpot_s:
+            out.append(f"TPOT p95 {_ms(o.tpot_p95_s)} > {_ms(slo.tpot_s)}")
+        return out
+
     @classmethod
-    def of(cls, obs: Observation, th: Thresholds, safety: Safety, bounds: Bounds) -> "Window":
+    def of(cls, obs: Observation, th: Thresholds, safety: Safety, bounds: Bounds, slo: Any = None) -> "Window":
         cfg, share = obs.config, dict(obs.waiting_cause_share)
         minutes = obs.window_s / 60 if obs.window_s > 0 else 0.0
         pre_per_min = obs.preemptions / minutes if minutes else (float(obs.preemptions) if obs.preemptions else 0.0)
@@ -131,7 +148,7 @@ class Window:
         }
         return cls(obs, th, safety, bounds, MemoryPicture.from_observation(obs), share.get("max_num_seqs", 0.0),
                    share.get("token_budget", 0.0), share.get("kv_blocks", 0.0) + share.get("watermark", 0.0),
-                   pre_per_min, common)
+                   pre_per_min, common, slo)
 
 
 # -- one rule per cause, in the order of the table above ---------------------------------------------
@@ -305,10 +322,68 @@ def low_kv_memory(w: Window) -> Diagnosis | None:
     return Diagnosis("LowKVMemory", msg, figs, "gpu_memory_utilization", {"gpu_memory_utilization": u})
 
 
+def _is_mixed(s: Any, decodes: float) -> bool:
+    """A step that carries a prefill chunk (its decodes wait for it)."""
+    return s.prefill_pairs > 0 or s.batched_tokens > 1.5 * decodes + 8
+
+
+def _p95(samples: list[Any]) -> float:
+    xs = sorted((s.duration_s, s.weight) for s in samples)
+    total, acc = sum(w for _, w in xs), 0.0
+    for d, wt in xs:
+        acc += wt
+        if acc >= 0.95 * total:
+            return d
+    return xs[-1][0] if xs else 0.0
+
+
+def prefill_stalls_decodes(w: Window) -> Diagnosis | None:
+    """TPOT misses its objective while nothing waits: the decodes that share a step with a long
+    prefill chunk wait for it. Smaller chunks (the token budget) bound the mixed step."""
+    obs, cfg, slo = w.obs, w.cfg, w.slo
+    if slo is None or slo.tpot_s is None or obs.tpot_p95_s <= slo.tpot_s or obs.blocked_share >= w.th.blocked_share:
+        return None
+    decodes = max(1.0, obs.running_mean)
+    mixed = [s for s in obs.step_samples if _is_mixed(s, decodes)]
+    pure = [s for s in obs.step_samples if not _is_mixed(s, decodes)]
+    if not mixed or not pure:
+        return None
+    mixed95, pure95 = _p95(mixed), _p95(pure)
+    if pure95 > slo.tpot_s or mixed95 <= slo.tpot_s:
+        return None  # decode-only steps are slow too (or mixed steps are not): not this cause
+    # time per batched token from a line through the steps; the budget whose mixed step fits the objective
+    n = sum(s.weight for s in obs.step_samples)
+    mx = sum(s.batched_tokens * s.weight for s in obs.step_samples) / n
+    my = sum(s.duration_s * s.weight for s in obs.step_samples) / n
+    var = sum(s.weight * (s.batched_tokens - mx) ** 2 for s in obs.step_samples)
+    slope = sum(s.weight * (s.batched_tokens - mx) * (s.duration_s - my) for s in obs.step_samples) / var if var else 0.0
+    if slope <= 0:
+        return None
+    fits = (0.9 * slo.tpot_s - (my - slope * mx)) / slope
+    budget = 2 ** int(math.floor(math.log2(fits))) if fits >= 1 else 0
+    budget = int(w.bounds.max_num_batched_tokens.clamp(max(budget, 2 * cfg.block_size)))
+    if budget >= cfg.max_num_batched_tokens:
+        return None
+    sugg: dict[str, Any] = {"max_num_batched_tokens": budget}
+    if not cfg.enable_chunked_prefill:
+        sugg["enable_chunked_prefill"] = True
+    figs = {**w.common, "tpot_p95_s": round(obs.tpot_p95_s, 4), "tpot_objective_s": slo.tpot_s,
+            "mixed_step_p95_s": round(mixed95, 4), "decode_step_p95_s": round(pure95, 4),
+            "mixed_step_share": round(sum(s.weight for s in mixed) / n, 4), "suggested_budget": budget}
+    msg = (f"TPOT p95 {_ms(obs.tpot_p95_s)} misses the {_ms(slo.tpot_s)} objective by "
+           f"{_pct(obs.tpot_p95_s / slo.tpot_s - 1)} while nothing waits: steps that carry a prefill chunk "
+           f"(up to {cfg.max_num_batched_tokens} tokens) take {_ms(mixed95)} at p95, decode-only steps "
+           f"{_ms(pure95)}, and the decodes in a mixed step wait for its prefill; "
+           f"{CAMEL['max_num_batched_tokens']} {budget}"
+           + (f" with {CAMEL['enable_chunked_prefill']}" if not cfg.enable_chunked_prefill else "")
+           + " keeps a mixed step within the objective.")
+    return Diagnosis("PrefillStallsDecodes", msg, figs, "max_num_batched_tokens", sugg)
+
+
 def healthy(w: Window) -> Diagnosis | None:
     obs, th = w.obs, w.th
     if not (obs.blocked_share < th.blocked_share and w.pre_per_min < th.preemptions_per_min
-            and obs.queue_time_p99_s <= th.healthy_queue_p99_s):
+            and obs.queue_time_p99_s <= th.healthy_queue_p99_s) or w.objectives_missed():
         return None
     msg = (f"Nothing holds requests back: the queue head was blocked in {_pct(obs.blocked_share)} of steps, KV usage "
            f"{_pct(obs.kv_usage_mean)}, {obs.preemptions} preemptions, p99 queue time "
@@ -321,9 +396,10 @@ def compute_bound(w: Window) -> Diagnosis | None:
     dom, dshare = obs.dominant_cause()
     if dom is not None and dshare >= w.th.blocked_share:
         return None
-    msg = (f"Requests queue (p99 {_secs(obs.queue_time_p99_s)}) although no limit stops the queue head: "
-           f"the engine is compute-bound at {obs.output_tokens_per_s:.0f} output tokens/s; more replicas "
-           "help, KV knobs will not.")
+    missed = w.objectives_missed()
+    msg = ((f"The objectives are missed ({'; '.join(missed)}) and " if missed else "Requests queue and ")
+           + f"no limit stops the queue head (p99 queue {_secs(obs.queue_time_p99_s)}): the engine is "
+           f"compute-bound at {obs.output_tokens_per_s:.0f} output tokens/s; more replicas help, KV knobs will not.")
     return Diagnosis("ComputeBound", msg, {**w.common, "output_tokens_per_s": round(obs.output_tokens_per_s, 1)},
                      None, {})
 
@@ -360,13 +436,14 @@ def binding_limit(w: Window) -> Diagnosis:
 
 #: The rules in the order they are tried: the first that names a cause wins.
 RULES = (swap_full, long_prompt_head_of_line, sequence_cap, shared_prefix_pinning, block_waste, low_kv_memory,
-         healthy, compute_bound)
+         prefill_stalls_decodes, healthy, compute_bound)
 
 
 def diagnose(obs: Observation, thresholds: Thresholds = Thresholds(), safety: Safety = Safety(),
-             bounds: Bounds | None = None) -> Diagnosis:
-    """Name why requests wait in ``obs``. Suggested values respect ``bounds`` when given."""
-    w = Window.of(obs, thresholds, safety, bounds or Bounds())
+             bounds: Bounds | None = None, slo: Any = None) -> Diagnosis:
+    """Name why requests wait in ``obs`` (or, with ``slo``, why its objectives are missed while nothing
+    waits). Suggested values respect ``bounds`` when given."""
+    w = Window.of(obs, thresholds, safety, bounds or Bounds(), slo)
     for rule in RULES:
         d = rule(w)
         if d is not None:

@@ -111,10 +111,10 @@ class Tuner:
                 counterfactual = window_figures(old) if old is not None else None
             verdict, nxt = st.verify(measured_figures(obs), now, s.objectives, counterfactual)
             if not verdict.keep:
-                diag = diagnose(obs, s.thresholds, s.safety, s.bounds)
+                diag = diagnose(obs, s.thresholds, s.safety, s.bounds, s.slo)
                 return Round(now, obs, diag, nxt, verdict=verdict, fit=fit, note="rolled back; no new decision "
                              "on a window measured under the rolled-back config")
-        diag = diagnose(obs, s.thresholds, s.safety, s.bounds)
+        diag = diagnose(obs, s.thresholds, s.safety, s.bounds, s.slo)
         if not decide:
             return Round(now, obs, diag, cfg, verdict=verdict, fit=fit, note="verification only")
         share = obs.goodput_requests_per_s / obs.requests_per_s if obs.requests_per_s > 0 else 0.0
