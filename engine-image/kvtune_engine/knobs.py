@@ -25,6 +25,10 @@ class Knob:
     choices: tuple | None = None   # the values it may take (block size, switches)
     search: tuple[float, float] | None = None   # the tuner's default range (spec bounds narrow it)
     allowed: tuple[float, float] | None = None  # the cluster-facing limits (CRD bounds)
+    #: vLLM's (0.32) flag for this knob, None where vLLM lacks it (spec.runtime vllm then refuses it);
+    #: swap_space is vLLM's CPU KV offloading (--kv-offloading-backend native): a second-tier cache,
+    #: since vLLM V1 preempts by recompute only. vLLM applies no knob live: every change restarts it.
+    vllm: str | None = None
 
     @property
     def flag(self) -> str:
@@ -36,19 +40,22 @@ class Knob:
 
 
 TABLE: tuple[Knob, ...] = (
-    Knob("block_size", "blockSize", live=False, tuned=True, bounded=True, choices=BLOCK_SIZES),
+    Knob("block_size", "blockSize", live=False, tuned=True, bounded=True, choices=BLOCK_SIZES, vllm="--block-size"),
     Knob("gpu_memory_utilization", "gpuMemoryUtilization", live=False, tuned=True, bounded=True,
-         search=(0.05, 0.95), allowed=(0.1, 0.98)),
+         search=(0.05, 0.95), allowed=(0.1, 0.98), vllm="--gpu-memory-utilization"),
     Knob("swap_space", "swapSpaceGiB", live=False, tuned=True, bounded=True, search=(0.0, 64.0),
-         allowed=(0.0, math.inf)),
-    Knob("kv_cache_memory", "kvCacheMemoryGiB", live=False),
-    Knob("max_num_seqs", "maxNumSeqs", live=True, tuned=True, bounded=True, search=(1, 1024), allowed=(1, math.inf)),
+         allowed=(0.0, math.inf), vllm="--kv-offloading-size"),
+    Knob("kv_cache_memory", "kvCacheMemoryGiB", live=False, vllm="--kv-cache-memory-bytes"),
+    Knob("max_num_seqs", "maxNumSeqs", live=True, tuned=True, bounded=True, search=(1, 1024), allowed=(1, math.inf),
+         vllm="--max-num-seqs"),
     Knob("max_num_batched_tokens", "maxNumBatchedTokens", live=True, tuned=True, bounded=True,
-         search=(16, 65536), allowed=(1, math.inf)),
-    Knob("max_model_len", "maxModelLen", live=False),
-    Knob("watermark", "watermark", live=True, tuned=True),
-    Knob("enable_prefix_caching", "enablePrefixCaching", live=True, tuned=True, bounded=True, choices=BOOLS),
-    Knob("enable_chunked_prefill", "enableChunkedPrefill", live=True, tuned=True, bounded=True, choices=BOOLS),
+         search=(16, 65536), allowed=(1, math.inf), vllm="--max-num-batched-tokens"),
+    Knob("max_model_len", "maxModelLen", live=False, vllm="--max-model-len"),
+    Knob("watermark", "watermark", live=True, tuned=True, vllm="--watermark"),
+    Knob("enable_prefix_caching", "enablePrefixCaching", live=True, tuned=True, bounded=True, choices=BOOLS,
+         vllm="--enable-prefix-caching"),
+    Knob("enable_chunked_prefill", "enableChunkedPrefill", live=True, tuned=True, bounded=True, choices=BOOLS,
+         vllm="--enable-chunked-prefill"),
 )
 
 BY_NAME: dict[str, Knob] = {k.name: k for k in TABLE}
@@ -60,6 +67,8 @@ LIVE_KNOBS = frozenset(k.name for k in TABLE if k.live)
 RESTART_KNOBS = frozenset(k.name for k in TABLE if k.restart)
 #: Knobs the tuner may change; a candidate is identified by their values.
 TUNED_KNOBS = tuple(k.name for k in TABLE if k.tuned)
+#: Knobs vLLM (spec.runtime vllm) has no flag for.
+VLLM_LACKS = frozenset(k.name for k in TABLE if k.vllm is None)
 #: Knobs users bound (and freeze) in spec.autotune; the other tuned knobs stay at the baseline in a cluster.
 BOUNDED_KNOBS = tuple(k.name for k in TABLE if k.bounded)
 

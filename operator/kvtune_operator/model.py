@@ -13,6 +13,7 @@ Torch-free and kopf-free: the tuner, the CLI and the tests import this module fr
 """
 from __future__ import annotations
 
+import json
 import re
 from datetime import datetime
 from enum import Enum
@@ -23,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 
 from kvtune_engine.config import BLOCK_SIZES, LIVE_KNOBS, RESTART_KNOBS, EngineConfig
-from kvtune_engine.knobs import BOUNDED_KNOBS, BY_NAME, TABLE
+from kvtune_engine.knobs import BOUNDED_KNOBS, BY_NAME, TABLE, VLLM_LACKS
 
 GROUP = "kvtune.io"
 VERSION = "v1alpha1"
@@ -406,6 +407,24 @@ def _bounds_rule(knob: str) -> dict[str, str]:
     }
 
 
+def _vllm_lacks_rule(name: str) -> dict[str, str]:
+    default = EngineConfig.model_fields[name].default
+    lit = json.dumps(default) if not isinstance(default, bool) else str(default).lower()
+    return {"rule": f"self.runtime != 'vllm' || self.engine.{KNOBS[name]} == {lit}",
+            "message": f"runtime vllm has no {KNOBS[name]} (vLLM lacks the knob): leave it at its default",
+            "fieldPath": f".engine.{KNOBS[name]}"}
+
+
+#: Admission rules of spec.runtime vllm: the knobs vLLM lacks (from the knob table) and what vLLM
+#: itself refuses at start-up, refused here with a message instead of a crash-looping pod.
+_VLLM_RULES = (
+    *(_vllm_lacks_rule(n) for n in sorted(VLLM_LACKS)),
+    {"rule": "self.runtime != 'vllm' || self.engine.maxNumBatchedTokens >= self.engine.maxNumSeqs",
+     "message": "runtime vllm: maxNumBatchedTokens must be at least maxNumSeqs (vLLM refuses to start otherwise)",
+     "fieldPath": ".engine.maxNumBatchedTokens"},
+)
+
+
 class InferenceDeploymentSpec(CRDModel):
     """An LLM served by kvtune's paged-KV engine, and how its KV-cache knobs are tuned."""
 
@@ -416,11 +435,18 @@ class InferenceDeploymentSpec(CRDModel):
                     "the tuner may choose",
          "fieldPath": ".engine.blockSize"},
         *(_bounds_rule(k) for k in ("gpuMemoryUtilization", "swapSpaceGiB", "maxNumSeqs", "maxNumBatchedTokens")),
+        *_VLLM_RULES,
     ))
 
     model: ModelSpec = Field(..., description="The model to serve and where its weights are.")
+    runtime: Literal["kvtune", "vllm"] = Field(
+        "kvtune", description="The engine: kvtune's own (live knob changes, admin API, recorded trace) or vLLM "
+                              "0.30+ (every knob on `vllm serve`'s command line, every change a restart, tuned from "
+                              "its metrics with a trace synthesized from them; swapSpaceGiB becomes vLLM's CPU KV "
+                              "offloading).")
     image: str | None = Field(None, min_length=1, max_length=1024,
-                              description="Engine container image. Default: the operator's engine image.")
+                              description="Engine container image. Default: the operator's engine image "
+                                          "(runtime vllm: vllm/vllm-openai of the version kvtune reads).")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
         None, description="Image pull policy of the engine container (Kubernetes default when omitted).")
     replicas: int = Field(1, ge=0, le=1024, description="Number of engine pods (the scale subresource).")

@@ -30,7 +30,8 @@ from kvtune_operator.effective import Effective, autotune_mode, effective_engine
 from kvtune_operator.kube import KubeError, now_rfc3339
 from kvtune_operator.model import KNOBS, KNOBS_BY_CAMEL, AutotuneMode, InferenceDeployment
 from kvtune_operator.render import (ANNOTATION_RESTART_HASH, admin_key_of, child_names, render_admin_secret,
-                                    render_children, restart_hash, selector_string)
+                                    render_children, runtime_restart_hash, selector_string)
+from kvtune_operator.render_vllm import DEFAULT_VLLM_IMAGE
 from kvtune_operator.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -203,7 +204,7 @@ class Reconciler:
                                 "KVTUNE_ALLOW_HOST_PATH, is off: it would mount a node directory); use a "
                                 "persistentVolumeClaim")
         if infd is not None and effective is not None:
-            image = infd.spec.image or self.settings.engine_image
+            image = infd.spec.image or (DEFAULT_VLLM_IMAGE if infd.spec.runtime == "vllm" else self.settings.engine_image)
             pod_monitor = self.settings.pod_monitor == "auto" and self.kube.served(*PODMONITOR)
             children = render_children(infd, effective.config, image=image, pod_monitor=pod_monitor,
                                        allow_namespaces=self.settings.network_allow_namespaces)
@@ -227,7 +228,7 @@ class Reconciler:
             status.update({
                 "engine": effective.status_engine(),
                 "baseline": effective.status_baseline(),
-                "restartHash": restart_hash(effective.config),
+                "restartHash": runtime_restart_hash(infd, effective.config),
                 "image": image,
             })
         if deployment is None:  # not applied (invalid spec, failed apply): observe what is there
@@ -243,7 +244,8 @@ class Reconciler:
         pods = self.kube.list_pods(namespace, selector_string(name))
         replicas = c.replicas_of(desired, deployment)
         old_engine, new_engine = old_status.get("engine") or {}, status.get("engine") or {}
-        restart_changed = sorted(KNOBS[k] for k in RESTART_KNOBS
+        restarting = KNOBS if infd is not None and infd.spec.runtime == "vllm" else RESTART_KNOBS  # vLLM: every knob
+        restart_changed = sorted(KNOBS[k] for k in restarting
                                  if old_engine and new_engine and old_engine.get(KNOBS[k]) != new_engine.get(KNOBS[k]))
         conds = list(old_status.get("conditions") or [])
         new_conds = [

@@ -30,6 +30,7 @@ import yaml
 
 from kvtune_engine.config import RESTART_KNOBS, EngineConfig
 from kvtune_operator.model import API_VERSION, KIND, InferenceDeployment
+from kvtune_operator.render_vllm import VLLM_COMMAND, vllm_args, vllm_restart_hash
 
 TEMPLATES = Path(__file__).with_name("templates")
 
@@ -99,6 +100,20 @@ def restart_hash(config: EngineConfig) -> str:
     values = config.model_dump()
     canonical = json.dumps({k: values[k] for k in sorted(RESTART_KNOBS)}, sort_keys=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def runtime_restart_hash(infd: InferenceDeployment, config: EngineConfig) -> str:
+    """The pods' restart hash: the restart-only knobs on our engine, every knob on vLLM."""
+    return vllm_restart_hash(config) if infd.spec.runtime == "vllm" else restart_hash(config)
+
+
+def runtime_command(infd: InferenceDeployment, config: EngineConfig) -> tuple[list[str], list[str]]:
+    """Container command and args of the runtime (vLLM: every knob on its command line)."""
+    if infd.spec.runtime == "vllm":
+        spec = infd.spec
+        return VLLM_COMMAND, vllm_args(spec.model.path, spec.model.served_model_name or infd.metadata.name, PORT,
+                                       config, omit=_left_to_engine(infd, config), extra=spec.extra_args)
+    return ENGINE_COMMAND, engine_args(infd)
 
 
 def engine_yaml(config: EngineConfig, omit: frozenset[str] = frozenset()) -> str:
@@ -250,13 +265,13 @@ def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: s
         "pod_labels": common_labels(name),
         "selector": selector_labels(name),
         "owner_references": owner_references(infd),
-        "restart_hash": restart_hash(config),
+        "restart_hash": runtime_restart_hash(infd, config),
         "config_key": CONFIG_KEY,
         "config_dir": CONFIG_DIR,
         "engine_yaml": engine_yaml(config, _left_to_engine(infd, config)),
         "image": image,
-        "command": ENGINE_COMMAND,
-        "args": engine_args(infd),
+        "command": runtime_command(infd, config)[0],
+        "args": runtime_command(infd, config)[1],
         "port": PORT,
         "uid": ENGINE_UID,
         "env": _env_list(infd),
