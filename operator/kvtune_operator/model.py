@@ -521,7 +521,7 @@ class Diagnosis(CRDModel):
 
     cause: str = Field(..., max_length=64, pattern=r"^[A-Z][A-Za-z0-9]*$",
                        description="Named cause: Healthy, SequenceCap, TokenBudget, LongPromptHeadOfLine, "
-                                   "SharedPrefixPinning, BlockWaste, LowKVMemory, SwapFull or ComputeBound.")
+                                   "SharedPrefixPinning, BlockWaste, LowKVMemory, SwapFull, PrefillStallsDecodes or ComputeBound.")
     message: str = Field("", max_length=4096, description="One sentence a user understands.")
     figures: Figures | None = Field(None, description="The figures behind the cause.")
     observed_at: Timestamp | None = Field(None, description="End of the observation window.")
