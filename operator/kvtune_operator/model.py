@@ -593,6 +593,9 @@ class TuningStatus(CRDModel):
     restarts: int | None = Field(None, ge=0, description="Restart-requiring changes made so far (rollbacks included).")
     tried_annotation: str | None = Field(
         None, max_length=4096, description="The last kvtune.io/try value handled (it is tried once).")
+    trace_source: Literal["recorded", "synthesized"] | None = Field(
+        None, description="Where the trace the predictions replay came from: recorded by the engine, or "
+                          "synthesized from the metrics' rate and length histograms (runtime vllm records none).")
 
 
 class InferenceDeploymentStatus(CRDModel):

@@ -36,6 +36,13 @@ class Window:
     figures: MetricFigures
     instances: list[str]  # host:port of each engine replica Prometheus scraped in the window
     window_s: float
+    #: the raw range-query result (runtime vllm reads its gauges sample by sample)
+    series: list[dict[str, Any]] | None = None
+
+
+#: per runtime: the series the window reads, and the one whose scrapes tell the window's coverage
+RUNTIME_SERIES = {"kvtune": ("kvtune_.+", "kvtune_steps_total"),
+                  "vllm": ("vllm:.+|process_start_time_seconds", "vllm:num_requests_running")}
 
 
 def _increase(values: list[float]) -> float:
@@ -119,12 +126,15 @@ def coverage(series: list[dict[str, Any]], window_s: float, new_instances: Itera
 
 
 def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout_s: float = 10.0,
-                new_instances: Iterable[str] = ()) -> Window:
+                new_instances: Iterable[str] = (), runtime: str = "kvtune") -> Window:
     """Raises MetricsUnavailable (with a reason for the condition) when Prometheus or the series are
-    missing. ``new_instances``: engines (host:port) that started inside the window."""
+    missing. ``new_instances``: engines (host:port) that started inside the window. ``runtime``
+    vllm reads vLLM's own series (``vllm:*``) instead of kvtune's."""
     from prometheus_api_client import PrometheusConnect
 
-    selector = f'{{__name__=~"kvtune_.+",namespace="{namespace}",inference_deployment="{name}"}}'
+    pattern, anchor = RUNTIME_SERIES[runtime]
+    family = "vllm:*" if runtime == "vllm" else "kvtune_*"
+    selector = f'{{__name__=~"{pattern}",namespace="{namespace}",inference_deployment="{name}"}}'
     try:
         prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
         series = prom.custom_query(query=f"{selector}[{max(1, int(window_s))}s]")
@@ -132,15 +142,15 @@ def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout
         raise MetricsUnavailable("PrometheusUnreachable", f"cannot query Prometheus at {url}: {e}") from None
     if not series:
         raise MetricsUnavailable(
-            "NoSeries", f"Prometheus at {url} has no kvtune_* series for {namespace}/{name} in the last "
-            f"{int(window_s)}s: is the engine scraped (PodMonitor) and running?")
+            "NoSeries", f"Prometheus at {url} has no {family} series for {namespace}/{name} "
+            f"in the last {int(window_s)}s: is the engine scraped (PodMonitor) and running?")
     figures, instances = window_figures(series, max(1, int(window_s)), new_instances)
-    if figures.get("kvtune_steps_total") is None:
-        raise MetricsUnavailable("IncompleteSeries", f"the series of {namespace}/{name} lack kvtune_steps_total")
-    share = coverage(series, max(1, int(window_s)), new_instances)
+    if figures.get(anchor) is None:
+        raise MetricsUnavailable("IncompleteSeries", f"the series of {namespace}/{name} lack {anchor}")
+    share = coverage(series, max(1, int(window_s)), new_instances, name=anchor)
     if share < MIN_COVERAGE:
         raise MetricsUnavailable(
             "IncompleteWindow", f"Prometheus scraped the engines of {namespace}/{name} for only {share:.0%} of the "
             f"last {int(window_s)}s (at least {MIN_COVERAGE:.0%} is needed to judge a window): no decision and no "
             "verdict on partial data; waiting for a fuller window")
-    return Window(figures, instances, window_s)
+    return Window(figures, instances, window_s, series)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 import httpx
 
-from kvtune_engine.config import RESTART_KNOBS
+from kvtune_engine.config import RESTART_KNOBS, EngineConfig
 from kvtune_engine.sim.profile import Profile
 
 from . import conditions as c
@@ -36,6 +36,7 @@ from .tuner.decide import Decision, Objectives, knob_changes, window_figures
 from .tuner.loop import Round, TunerSettings, measured_figures, tune_round
 from .tuner.observation import WAITING_CAUSES, Observation
 from .tuning_state import state_from_status, state_status
+from .tuning_vllm import gather_vllm
 
 #: shortest window worth judging (after a change, the window only counts what ran under it)
 MIN_WINDOW_S = 10.0
@@ -46,6 +47,8 @@ class Gathered:
     observation: Observation
     trace: list[dict[str, Any]]
     window_s: float
+    #: the trace was synthesized from the metrics (runtime vllm records none), not recorded
+    trace_synthesized: bool = False
 
 
 @dataclass
@@ -71,7 +74,8 @@ def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSe
 
 
 def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploymentSpec,
-           since_change_s: float | None, *, timeout_s: float = 10.0, admin_key: str | None = None) -> Gathered:
+           since_change_s: float | None, *, timeout_s: float = 10.0, admin_key: str | None = None,
+           running: EngineConfig | None = None) -> Gathered:
     """Prometheus over the window (never reaching back past the last change, nor past the start of
     the engine it reads: after a restart change, the new pods' start), then the state, trace and step
     log of one replica Prometheus scraped. Raises MetricsUnavailable with a reason."""
@@ -79,6 +83,12 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
     if window < MIN_WINDOW_S:
         raise MetricsUnavailable("WindowTooShort", f"only {window:.0f}s since the last change; "
                                  f"waiting for at least {MIN_WINDOW_S:.0f}s of metrics under the new knobs")
+    if spec.runtime == "vllm":  # no admin API: vLLM's series alone, the knobs from its command line
+        objectives = tuner_settings(spec, plan).objectives
+        obs, trace, window = gather_vllm(plan, namespace, name, running or baseline_config(spec), window,
+                                         slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s,
+                                         timeout_s=timeout_s, min_window_s=MIN_WINDOW_S)
+        return Gathered(obs, trace, window, trace_synthesized=True)
     w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s)
     errors, young = [], []
     for inst in w.instances:
@@ -266,9 +276,10 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     tuning = dict(old_tuning)
     history = list(tuning.get("history") or [])
     settings = tuner_settings(spec, plan)
+    traced = (f"{len(gathered.trace)} requests synthesized from vLLM's histograms (vLLM records no trace)"
+              if gathered.trace_synthesized else f"{len(gathered.trace)} traced requests")
     out.conditions.append(c.Cond("MetricsAvailable", "True", "WindowRead",
-                                 f"{int(gathered.window_s)}s of engine metrics and {len(gathered.trace)} "
-                                 "traced requests"))
+                                 f"{int(gathered.window_s)}s of engine metrics and {traced}"))
     stale = knob_changes(obs.config, current)
     if stale:  # a change is still rolling out: a window of the old knobs would judge the wrong config
         tuning.update(mode=mode.value, phase="Applying",
@@ -308,7 +319,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         repeated = not apply and (tuning.get("lastChange") or {}).get("after") == _camel(d.changes)
         if not repeated:  # Recommend mode: one event per new recommendation, not one per tick
             record(_decision(now, "Apply" if apply else "Recommend", f"{rnd.diagnosis.message} {d.reason}".strip(),
-                             cause=rnd.diagnosis.cause, restart=d.restart,
+                             cause=rnd.diagnosis.cause, restart=d.restart or spec.runtime == "vllm",
                              before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
                              predicted=_predicted(window_figures(d.predicted) if d.predicted else None)), "Normal")
         if apply:
@@ -328,7 +339,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         out.status_update.update(tuned_status(spec, current, changes))
         out.applied = changes
     tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:],
-                  **state_status(state))
+                  traceSource="synthesized" if gathered.trace_synthesized else "recorded", **state_status(state))
     out.status_update["tuning"] = _replacing(old_tuning, tuning)
     settled = rnd.diagnosis.cause == "Healthy" or phase in ("Settled",)
     out.conditions.append(c.Cond("Tuned", "True" if settled else "False", phase, message or rnd.diagnosis.message))
@@ -416,7 +427,8 @@ class TuningLoop:
                 return roll_back_failed_rollout(infd.spec, status, plan, failure, now)
         try:
             gathered = gather(plan, namespace, name, infd.spec, _since_last_change(status, now),
-                              admin_key=engine_admin_key(self.reconciler.kube, namespace, name))
+                              admin_key=engine_admin_key(self.reconciler.kube, namespace, name),
+                              running=effective_engine(infd.spec, status, plan.mode).config)
         except MetricsUnavailable as e:
             waiting = " A pending change keeps waiting for its verdict." if pending is not None else ""
             return TickResult(conditions=[c.Cond("MetricsAvailable", "False", e.reason, f"{e}.{waiting}")])

@@ -1,0 +1,77 @@
+"""The I/O half of a tuning round for ``spec.runtime: vllm``: vLLM's own series from Prometheus.
+
+vLLM has no admin API, no recorded trace and no step log, so the round reads only what Prometheus
+scraped: the window figures, the gauges sample by sample (to put each capacity wait down to a limit,
+see `tuner.vllm_observation`), and a trace synthesized from the length histograms and the request
+rate. The knobs vLLM does not export come from the config the operator put on its command line;
+the knobs it does export (cache_config_info: block size, memory utilization, prefix caching) are
+read back, so a window of pods still running older knobs is seen as such.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kvtune_engine.config import EngineConfig
+
+from .prometheus import MetricsUnavailable, read_window
+from .tuner.vllm_observation import GaugeSample, VllmAssumptions, read_vllm
+
+#: the knobs vLLM's metrics show (cache_config_info); the others are the rendered command line's
+READ_BACK = ("block_size", "gpu_memory_utilization", "enable_prefix_caching")
+
+
+def gauge_samples(series: list[dict[str, Any]]) -> list[GaugeSample]:
+    """Per replica and scrape: running, waiting for capacity, KV usage, preemptions since the last."""
+    per: dict[str, dict[str, dict[float, float]]] = {}
+    for s in series:
+        m = s["metric"]
+        name = m.get("__name__")
+        if name == "vllm:num_requests_waiting_by_reason" and m.get("reason") != "capacity":
+            continue
+        inst = m.get("instance", "")
+        per.setdefault(inst, {}).setdefault(name, {}).update({float(t): float(v) for t, v in s["values"]})
+    out: list[GaugeSample] = []
+    for by in per.values():
+        running = by.get("vllm:num_requests_running", {})
+        waiting = by.get("vllm:num_requests_waiting_by_reason") or by.get("vllm:num_requests_waiting", {})
+        usage = by.get("vllm:kv_cache_usage_perc", {})
+        pre = by.get("vllm:num_preemptions_total", {})
+        prev = None
+        for t in sorted(running):
+            p = pre.get(t)
+            out.append(GaugeSample(running=running[t], waiting=waiting.get(t, 0.0), kv_usage=usage.get(t, 0.0),
+                                   preempted=max(0.0, p - prev) if p is not None and prev is not None else 0.0))
+            prev = p if p is not None else prev
+    return out
+
+
+def _start_times(series: list[dict[str, Any]]) -> dict[str, float]:
+    return {s["metric"].get("instance", ""): float(s["values"][-1][1]) for s in series
+            if s["metric"].get("__name__") == "process_start_time_seconds" and s.get("values")}
+
+
+def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, window: float, *,
+                slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = 10.0,
+                min_window_s: float = 10.0, now: float | None = None):
+    """(Observation, synthesized trace, window) of the vLLM pods of one InferenceDeployment."""
+    w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s, runtime="vllm")
+    now = time.time() if now is None else now
+    starts = _start_times(w.series or [])
+    if starts:
+        inst, start = max(starts.items(), key=lambda kv: kv[1])
+        uptime = now - start
+        if uptime < min_window_s:
+            raise MetricsUnavailable("WindowTooShort", f"the vLLM engine {inst} started {uptime:.0f}s ago; "
+                                     "waiting for metrics from it")
+        if uptime < window:  # a restart inside the window: judge the new engine's own window
+            window = uptime
+            w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s,
+                            new_instances=[inst], runtime="vllm")
+    assume = VllmAssumptions(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                             max_model_len=config.max_model_len, given_by="the pods' command line")
+    reading = read_vllm(w.figures, gauge_samples(w.series or []), window_s=window, assume=assume,
+                        slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+    seen = reading.observation.config
+    obs_config = config.with_changes(**{k: getattr(seen, k) for k in READ_BACK})
+    return reading.observation.with_(config=obs_config), reading.trace, window
