@@ -100,6 +100,29 @@ def scenario_workloads() -> list[Workload]:
     return out
 
 
+def objective_workloads() -> list[Workload]:
+    """Workloads where the objectives are missed while nothing waits (issue 11), with the grid widened
+    to the token budget, chunking and prefix caching:
+
+    * prefill-stall: long prompts (2500 tokens) at a load one A100 carries, a 16k token budget: the
+      queue is short, but the decodes sharing a step with a long prefill chunk miss a 35 ms TPOT;
+    * compute-bound: the seq-cap trace at 3x its rate with a generous cap: one engine is saturated,
+      no knob helps (the answer is replicas), and the tuner must not make things worse."""
+    seq = SCENARIOS["seq-cap"]
+    budgets = [(256, True), (512, True), (2048, True), (8192, True), (16384, True), (16384, False)]
+    return [
+        Workload("prefill-stall", "a100-llama3-8b", {"max_num_batched_tokens": 16384, "max_num_seqs": 256},
+                 (5.0, 0.035),
+                 lambda s: mix(requests=800, rate=2.0, prompt_mean=2500, prompt_sigma=0.7, output_mean=300,
+                               output_sigma=0.5, seed=s),
+                 {"max_num_seqs": [64, 128, 256], "budget": budgets, "enable_prefix_caching": [True, False]}),
+        Workload("compute-bound", seq.profile, {"max_num_seqs": 1024}, (seq.slo_ttft_s, seq.slo_tpot_s),
+                 lambda s: [TraceRequest(round(r.arrival_s / 3, 6), r.prompt_tokens, r.output_tokens)
+                            for r in seq.trace(s)[:600]],
+                 {"max_num_seqs": [256, 512, 1024], "budget": budgets[2:], "enable_prefix_caching": [True, False]}),
+    ]
+
+
 def mix_workloads(n: int = 3, seed: int = 2024) -> list[Workload]:
     """Random mixes from vLLM-like defaults: a random GPU profile, Poisson or bursty arrivals,
     lognormal lengths, sometimes shared prefixes; the rate puts the load near the card's capacity."""
@@ -240,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every window's decision (stderr)")
     a = ap.parse_args(argv)
-    workloads = scenario_workloads() + mix_workloads(a.mixes, a.mix_seed)
+    workloads = scenario_workloads() + objective_workloads() + mix_workloads(a.mixes, a.mix_seed)
     if a.only:
         workloads = [w for w in workloads if any(w.name == o or w.name.startswith(o) for o in a.only)]
     t0 = time.process_time()
