@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import AttentionMetadata, PrefillChunk, cpu_paged
+from ..attention import AttentionMetadata, PrefillChunk, cpu_paged, flashinfer_decode, triton_decode
 from ..config import EngineConfig
 from ..core.batch import Batch, ScheduledSeq, StepOutput
 from ..kv.sizing import KVCacheSize, kv_bytes_per_token, kv_cache_size
@@ -66,14 +66,17 @@ class ModelRunner:
         self.dtype = self.model.dtype
         self.block_size = config.block_size
         self.sampler = Sampler(self.device, seed)
-        if use_triton is None:
-            use_triton = cuda
-        if use_triton:
-            from ..attention.triton_decode import available, paged_decode_triton
-            if available():
-                self.model.decode_fn = paged_decode_triton
-            else:
-                log.warning("triton is not installed: decode attention uses the PyTorch path")
+        # decode attention: FlashInfer (checked on the device) or Triton on CUDA; on CPU the
+        # compiled kernel of attention/cpu_paged.py; the PyTorch reference when none is there
+        if cuda and use_triton is not False:
+            if flashinfer_decode.available():
+                self.model.decode_fn = self._flashinfer_or_none()
+            if self.model.decode_fn is None and triton_decode.available():
+                self.model.decode_fn = triton_decode.paged_decode_triton
+            if self.model.decode_fn is None:
+                log.warning("neither flashinfer nor triton is usable: decode attention uses the PyTorch path")
+        elif use_triton:  # Triton on CPU: its interpreter (tests)
+            self.model.decode_fn = triton_decode.paged_decode_triton
         elif not cuda and cpu_paged.enabled():
             self.model.decode_fn = cpu_paged.paged_decode_cpu
 
@@ -113,6 +116,17 @@ class ModelRunner:
             "kv_cache": self.num_blocks * block_bytes, "swap": self.num_swap_blocks * block_bytes,
             "device_total": int(total),
         }
+
+    def _flashinfer_or_none(self):
+        """FlashInfer's decode kernel if it agrees with the reference on this device, else None
+        (the Triton kernel then runs): the FlashInfer path cannot be tested where this is developed."""
+        try:
+            fn = flashinfer_decode.FlashInferDecode(self.device)
+            flashinfer_decode.check(fn, self.device)
+            return fn
+        except Exception as e:  # an API change, an unsupported shape or dtype, a mismatch
+            log.warning("FlashInfer decode unusable here (%s: %s); using the Triton kernel", type(e).__name__, e)
+            return None
 
     # ------------------------------------------------------------------ memory profile
     @torch.inference_mode()
