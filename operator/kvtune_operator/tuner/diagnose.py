@@ -343,6 +343,11 @@ def prefill_stalls_decodes(w: Window) -> Diagnosis | None:
     obs, cfg, slo = w.obs, w.cfg, w.slo
     if slo is None or slo.tpot_s is None or obs.tpot_p95_s <= slo.tpot_s or obs.blocked_share >= w.th.blocked_share:
         return None
+    # ... and the queue is short: a long queue is an engine out of capacity (ComputeBound), where
+    # smaller prefill chunks only trade TPOT for queueing
+    short = max(w.th.healthy_queue_p99_s, 0.5 * slo.ttft_s if slo.ttft_s is not None else 0.0)
+    if obs.queue_time_p95_s > short:
+        return None
     decodes = max(1.0, obs.running_mean)
     mixed = [s for s in obs.step_samples if _is_mixed(s, decodes)]
     pure = [s for s in obs.step_samples if not _is_mixed(s, decodes)]
