@@ -9,6 +9,7 @@ real engine on a tiny model.
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -41,6 +42,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def admin_key(controlplane, namespace: str, name: str) -> str:
+    """The engine's admin key, from the Secret the operator keeps for the InferenceDeployment (the
+    engine's admin API answers nothing else, loopback included, once it has a key)."""
+    def read():
+        out = controlplane.kubectl("get", "secret", f"{name}-admin-key", "-n", namespace, "-o", "json", check=False)
+        return out.returncode == 0 and base64.b64decode(json.loads(out.stdout)["data"]["admin-key"]).decode()
+    return eventually(read, timeout=30, what=f"the admin-key Secret of {name}")
 
 
 class OperatorProcess:
@@ -79,6 +89,13 @@ class OperatorProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(5)
+        self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: the operator dies mid-work, without a chance to finish or clean up."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
         self.proc = None
 
     def tail(self, n: int = 60) -> str:
@@ -413,7 +430,10 @@ def test_helm_install_and_least_privilege_rbac(controlplane, crd, tmp_path):
         assert can("patch", "deployments", "-n", watched) == "yes"
         assert can("patch", "inferencedeployments.kvtune.io/status", "-n", watched) == "yes"
         assert can("delete", "deployments", "-n", watched) == "no"
-        assert can("get", "secrets", "-n", watched) == "no"
+        # the admin-key Secrets it owns: it reads and creates them by name, it never lists or deletes any
+        assert can("get", "secrets", "-n", watched) == "yes"
+        assert can("list", "secrets", "-n", watched) == "no"
+        assert can("delete", "secrets", "-n", watched) == "no"
         assert can("patch", "deployments", "-n", system) == "no"
         # ... and that is enough: the operator, running with the ServiceAccount's token, reconciles fully.
         token = controlplane.kubectl("create", "token", sa_name, "-n", system, "--duration=1h").stdout.strip()
@@ -477,8 +497,11 @@ def test_engine_pod_applies_live_knobs(controlplane, crd, pod_node, tmp_path_fac
             local = eventually(started, timeout=180, interval=1, what="the engine pod's process to listen")[0]
             url = local.url
 
+            key = admin_key(controlplane, ns, "live")
+
             def config():
-                with urllib.request.urlopen(f"{url}/kvtune/v1/config", timeout=5) as r:
+                req = urllib.request.Request(f"{url}/kvtune/v1/config", headers={"Authorization": f"Bearer {key}"})
+                with urllib.request.urlopen(req, timeout=5) as r:
                     return json.loads(r.read())["config"]
             assert eventually(lambda: config()["max_num_seqs"] == 8, timeout=60, what="the engine to run maxNumSeqs 8")
             with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:

@@ -47,7 +47,7 @@ import yaml
 
 from .e2e_load import OpenLoopLoad
 from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
-    SELECTOR, OperatorProcess, _make_namespace, condition, crd, eventually, get,
+    SELECTOR, OperatorProcess, _make_namespace, admin_key, condition, crd, eventually, get,
 )
 
 pytestmark = pytest.mark.integration
@@ -170,8 +170,10 @@ def table_row(controlplane, ns: str, name: str) -> tuple[dict[str, str], dict]:
     return eventually(read, timeout=30, what="a stable `kubectl get infd`")
 
 
-def engine_state(url: str) -> dict:
-    return httpx.get(f"{url}/kvtune/v1/state", timeout=5).raise_for_status().json()
+def engine_state(url: str, key: str) -> dict:
+    """The engine's admin state (its key: `admin_key`)."""
+    return httpx.get(f"{url}/kvtune/v1/state", timeout=5, headers={"Authorization": f"Bearer {key}"}) \
+        .raise_for_status().json()
 
 
 def start_engine(controlplane, pod_node, ns: str, name: str, timeout: float = 180):
@@ -225,8 +227,9 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         name, model, engine={"maxNumSeqs": 2, "kvCacheMemoryGiB": 0.05},
         bounds={"maxNumSeqs": {"min": 1, "max": 32}}))
     local = start_engine(controlplane, pod_node, ns, name)
+    key = admin_key(controlplane, ns, name)
     log(f"seqcap: engine listening after {time.monotonic() - t0:.0f}s")
-    assert engine_state(local.url)["config"]["max_num_seqs"] == 2
+    assert engine_state(local.url, key)["config"]["max_num_seqs"] == 2
     dep = get(controlplane, "deployment", name, ns)
     gen, template, pod_name = dep["metadata"]["generation"], dep["spec"]["template"], local.name
     rs_before = replica_sets(controlplane, ns, name)
@@ -260,7 +263,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         # ... reaches the running engine through the ConfigMap, without a rollout
         eventually(lambda: f"max_num_seqs: {raised}\n" in get(controlplane, "configmap", f"{name}-engine", ns)
                    ["data"]["engine.yaml"], timeout=30, what="the ConfigMap to carry the tuned maxNumSeqs")
-        eventually(lambda: engine_state(local.url)["config"]["max_num_seqs"] == raised, timeout=60,
+        eventually(lambda: engine_state(local.url, key)["config"]["max_num_seqs"] == raised, timeout=60,
                    what="the engine to run the tuned maxNumSeqs")
         log(f"seqcap: engine runs maxNumSeqs {raised} after {time.monotonic() - t0:.0f}s")
 
@@ -295,7 +298,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         assert trial["after"] == {"maxNumSeqs": 1} and before_trial > 1 and trial["restart"] is False
         assert "predicted" not in trial  # a forced candidate is not simulated
         assert obj["status"]["engine"]["maxNumSeqs"] == 1
-        eventually(lambda: engine_state(local.url)["config"]["max_num_seqs"] == 1, timeout=60,
+        eventually(lambda: engine_state(local.url, key)["config"]["max_num_seqs"] == 1, timeout=60,
                    what="the engine to run the forced candidate")
 
         def rolled_back(o):
@@ -317,7 +320,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         assert st["engine"]["maxNumSeqs"] == before_trial  # back to the value before the candidate
         if h[-1] is verdict:  # (a later round may have moved on already)
             assert st["tuning"]["phase"] == "RolledBack" and st["tuning"]["lastChange"] == verdict
-        eventually(lambda: engine_state(local.url)["config"]["max_num_seqs"] == before_trial, timeout=60,
+        eventually(lambda: engine_state(local.url, key)["config"]["max_num_seqs"] == before_trial, timeout=60,
                    what="the engine to run the rolled-back value again")
         assert pod_node.get(ns, pod_name) is local and local.alive()
         assert get(controlplane, "deployment", name, ns)["metadata"]["generation"] == gen
@@ -350,8 +353,9 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
         bounds={"maxNumSeqs": {"min": 8, "max": 128}, "gpuMemoryUtilization": {"min": 0.1, "max": 0.3}},
         extra_args=["--device-memory", f"{device:.9f}"]))
     local = start_engine(controlplane, pod_node, ns, name)
+    key = admin_key(controlplane, ns, name)
     log(f"lowmem: engine listening after {time.monotonic() - t0:.0f}s")
-    state = engine_state(local.url)
+    state = engine_state(local.url, key)
     assert state["blocks"]["total"] == LOW_BLOCKS and state["config"]["gpu_memory_utilization"] == 0.1
     dep = get(controlplane, "deployment", name, ns)
     gen, pod_name = dep["metadata"]["generation"], local.name
@@ -393,7 +397,7 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
                     if p.name != pod_name]
             if not pods:
                 return None
-            s = engine_state(pods[0].url)
+            s = engine_state(pods[0].url, key)
             return (pods[0], s) if s["config"]["gpu_memory_utilization"] == raised else None
         new, state = eventually(new_engine, timeout=120, interval=0.5, what="the new engine pod to serve")
         log(f"lowmem: new engine {new.name} serves after {time.monotonic() - t0:.0f}s with "

@@ -26,10 +26,12 @@ import time
 import pytest
 
 from .e2e_load import OpenLoopLoad
-from .test_operator_cluster import OperatorProcess, _make_namespace, condition, crd, eventually, get  # noqa: F401
+from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
+    OperatorProcess, _make_namespace, admin_key, condition, crd, eventually, get,
+)
 from .test_tuner_e2e import (  # noqa: F401 - model is a fixture
-    LABEL, VOCAB, delete_and_wait, history, infd, log, model, replica_sets, start_engine, tuning_events, url_of,
-    wait_for, weights_bytes,
+    LABEL, VOCAB, delete_and_wait, engine_state, history, infd, log, model, replica_sets, start_engine,
+    tuning_events, url_of, wait_for, weights_bytes,
 )
 
 pytestmark = pytest.mark.integration
@@ -78,6 +80,7 @@ def test_operator_kill_prometheus_outage_and_a_rollout_that_cannot_start(
             bounds={"maxNumSeqs": {"min": 1, "max": 32}, "gpuMemoryUtilization": {"min": 0.1, "max": 0.3}},
             extra_args=["--device-memory", f"{device:.9f}"]))
         local = start_engine(controlplane, pod_node, ns, name)
+        key = admin_key(controlplane, ns, name)
         log(f"faults: engine listening after {time.monotonic() - t0:.0f}s")
         load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=7.0, prompt_tokens=32, output_tokens=32,
                             vocab=VOCAB, max_requests=3000, max_seconds=420, max_in_flight=96, seed=3)
@@ -123,6 +126,8 @@ def test_operator_kill_prometheus_outage_and_a_rollout_that_cannot_start(
                 timeout=60, what="the forced candidate to be applied", operator=op)
             trial = next(e for e in history(obj) if e["action"] == "Apply" and "kvtune.io/try" in e["message"])
             assert obj["status"]["tuning"]["pending"]["source"] == "Annotation"
+            eventually(lambda: engine_state(local.url, key)["config"]["max_num_seqs"] == 1, timeout=60,
+                       what="the engine to run the forced candidate")
             n_history = len(history(obj))
             with prometheus.down():
                 down = time.monotonic()
