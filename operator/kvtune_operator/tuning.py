@@ -69,7 +69,8 @@ def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSe
     objectives = Objectives(
         slo_ttft_s=dur(o and o.ttft_p95), slo_tpot_s=dur(o and o.tpot_p95),
         max_preemptions_per_min=o.max_preemptions_per_minute if o else None,
-        cooldown_s=plan.cooldown_s, bad_memory_s=max(3600.0, 4 * plan.cooldown_s))
+        cooldown_s=plan.cooldown_s, bad_memory_s=max(3600.0, 4 * plan.cooldown_s),
+        live_knobs=frozenset() if spec.runtime == "vllm" else None)  # vLLM: every change is a restart
     return TunerSettings(bounds=bounds, objectives=objectives)
 
 

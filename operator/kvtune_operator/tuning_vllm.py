@@ -15,6 +15,7 @@ from typing import Any
 from kvtune_engine.config import EngineConfig
 
 from .prometheus import MetricsUnavailable, read_window
+from .tuner.observation import StepSample
 from .tuner.vllm_observation import GaugeSample, VllmAssumptions, read_vllm
 
 #: the knobs vLLM's metrics show (cache_config_info); the others are the rendered command line's
@@ -46,6 +47,30 @@ def gauge_samples(series: list[dict[str, Any]]) -> list[GaugeSample]:
     return out
 
 
+def step_samples(series: list[dict[str, Any]]) -> list[StepSample]:
+    """Step costs from what vLLM exposes: between two scrapes with requests running throughout, the
+    steps (``iteration_tokens_total`` count) and their tokens (its sum) shared the interval, so one
+    sample is (interval / steps, tokens / steps) weighted by the steps. vLLM times no step itself."""
+    per: dict[str, dict[str, dict[float, float]]] = {}
+    for s in series:
+        m = s["metric"]
+        name = m.get("__name__")
+        if name in ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
+                    "vllm:num_requests_running"):
+            per.setdefault(m.get("instance", ""), {}).setdefault(name, {}).update(
+                {float(t): float(v) for t, v in s["values"]})
+    out: list[StepSample] = []
+    for by in per.values():
+        cnt, tok = by.get("vllm:iteration_tokens_total_count", {}), by.get("vllm:iteration_tokens_total_sum", {})
+        run = by.get("vllm:num_requests_running", {})
+        ts = sorted(t for t in cnt if t in tok)
+        for a, b in zip(ts, ts[1:]):
+            n = cnt[b] - cnt[a]
+            if n >= 1 and run.get(a, 0) > 0 and run.get(b, 0) > 0:
+                out.append(StepSample(duration_s=(b - a) / n, batched_tokens=(tok[b] - tok[a]) / n, weight=n))
+    return out
+
+
 def _start_times(series: list[dict[str, Any]]) -> dict[str, float]:
     return {s["metric"].get("instance", ""): float(s["values"][-1][1]) for s in series
             if s["metric"].get("__name__") == "process_start_time_seconds" and s.get("values")}
@@ -74,4 +99,5 @@ def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, wind
                         slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
     seen = reading.observation.config
     obs_config = config.with_changes(**{k: getattr(seen, k) for k in READ_BACK})
-    return reading.observation.with_(config=obs_config), reading.trace, window
+    obs = reading.observation.with_(config=obs_config, step_samples=tuple(step_samples(w.series or [])))
+    return obs, reading.trace, window

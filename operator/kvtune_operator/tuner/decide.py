@@ -37,6 +37,9 @@ class Objectives:
     bad_memory_s: float = 3600.0
     #: most restart-requiring changes in all (None: no limit beyond the cooldown)
     max_restarts: int | None = None
+    #: knobs the engine changes without a restart (None: the knob table's live knobs; runtime vllm:
+    #: none, vLLM applies every knob at start-up only)
+    live_knobs: frozenset[str] | None = None
 
 
 def _f(summary: Mapping[str, Any], key: str) -> float:
@@ -167,7 +170,8 @@ def choose(current: EngineConfig, baseline: Mapping[str, Any],
         changes = knob_changes(current, cfg)
         if not changes:
             continue
-        restart = bool(RESTART_KNOBS & changes.keys())
+        restart = bool(RESTART_KNOBS & changes.keys()) if objectives.live_knobs is None \
+            else bool(changes.keys() - objectives.live_knobs)
         if state.is_bad(cfg, now) or (restart and not restart_ok):
             barred += 1
             continue

@@ -1,0 +1,124 @@
+"""A real vLLM pod tuned by the operator (issue 9): an InferenceDeployment with ``runtime: vllm``.
+
+The pod node runs the pod's own command line (``vllm serve ...`` as the operator rendered it, every
+knob a vLLM flag) with the real vLLM of ``tests/vllm/setup.sh``; Prometheus scrapes its /metrics
+like any engine pod's; the operator (a subprocess, Recommend mode) reads vLLM's series from
+Prometheus. Under a load bound by ``maxNumSeqs 2`` with the KV cache almost empty, it names the
+sequence cap and recommends a higher maxNumSeqs, predicted on a trace synthesized from vLLM's
+histograms (said so in status), and changes nothing (Recommend). A missing vLLM fails the test.
+"""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.vllm.server import vllm_bin
+
+from .e2e_load import OpenLoopLoad
+from .test_operator_cluster import OperatorProcess, _make_namespace, crd, eventually, get  # noqa: F401
+from .test_tuner_e2e import start_engine, url_of, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def vllm_model():
+    vllm_bin()  # FAILS (never skips) with "install it with: bash tests/vllm/setup.sh"
+    root = Path(tempfile.mkdtemp(prefix="kvtune-vllm-pod-", dir="/var/tmp"))
+    path = root / "tiny-hd32"
+    subprocess.run([str(Path(sys.executable).with_name("kvtune")), "make-tiny-model", str(path), "--head-dim", "32",
+                    "--hidden", "128", "--heads", "4", "--kv-heads", "2", "--vocab", str(VOCAB)],
+                   check=True, capture_output=True, timeout=300)
+    yield path
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def vllm_ns(controlplane, crd, pod_node):  # noqa: F811
+    ns = _make_namespace(controlplane, "vllm")
+    saved = dict(pod_node.command_map)
+    pod_node.command_map["vllm"] = [str(vllm_bin())]  # the image's `vllm` is this venv's
+    with pod_node.restricted_to(ns):
+        yield ns
+        controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        eventually(lambda: not [p for p in pod_node.pods.values() if p.namespace == ns], timeout=60,
+                   what="the vLLM processes to stop")
+    pod_node.command_map.clear()
+    pod_node.command_map.update(saved)
+
+
+def infd(name: str, model: Path, cache: Path) -> str:
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+           "TRITON_CACHE_DIR": str(cache / "triton"), "HF_HOME": str(cache / "hf"), "TMPDIR": str(cache / "tmp"),
+           "VLLM_RPC_BASE_PATH": str(cache / "tmp")}
+    body = {
+        "apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
+        "spec": {
+            "runtime": "vllm",
+            "model": {"path": str(model), "servedModelName": "tiny"},
+            "resources": {"gpus": 0},
+            "engine": {"maxNumSeqs": 2, "maxNumBatchedTokens": 1024, "maxModelLen": 1024, "blockSize": 128,
+                       "kvCacheMemoryGiB": 1, "swapSpaceGiB": 0, "enablePrefixCaching": False},
+            "autotune": {"mode": "Recommend", "interval": "8s", "window": "20s", "cooldown": "10m",
+                         "objectives": {"ttftP95": "1s"},
+                         "bounds": {"blockSize": [128], "maxNumSeqs": {"min": 1, "max": 64}}},
+            "env": [{"name": k, "value": v} for k, v in env.items()],
+            "extraArgs": ["--dtype", "float32"],
+        },
+    }
+    return yaml.safe_dump(body)
+
+
+def test_operator_recommends_more_sequences_for_a_real_vllm_pod(controlplane, prometheus, pod_node, vllm_ns,
+                                                                 vllm_model, tmp_path):
+    ns, name = vllm_ns, "vllm-seqcap"
+    # short and outside the pod's /tmp (an emptyDir the pod node maps to a long local path): vLLM's
+    # ZMQ socket paths must stay under 107 characters
+    cache = Path(tempfile.mkdtemp(prefix="kvv-", dir="/var/tmp"))
+    (cache / "tmp").mkdir(parents=True)
+    env = {**controlplane.subprocess_env(), "KVTUNE_PROMETHEUS_URL": prometheus.url, "KVTUNE_TUNE_POLL_INTERVAL": "1"}
+    op = OperatorProcess(env, [ns], tmp_path / "operator.log").start()
+    try:
+        t0 = time.monotonic()
+        controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd(name, vllm_model, cache))
+        local = start_engine(controlplane, pod_node, ns, name, timeout=420)
+        sys.stderr.write(f"vLLM pod serving after {time.monotonic() - t0:.0f}s: {' '.join(local.argv[:4])} ...\n")
+        assert Path(local.argv[0]) == vllm_bin() and local.argv[1] == "serve"
+        argv = local.argv
+        assert argv[argv.index("--max-num-seqs") + 1] == "2" and "--no-enable-prefix-caching" in argv
+        # 10 requests/s of 32 + 32 tokens: two sequences at a time cannot keep up
+        load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=10.0, prompt_tokens=32, output_tokens=32,
+                            vocab=VOCAB, max_requests=3000, max_seconds=240, max_in_flight=128, seed=3)
+        with load:
+            obj = wait_for(controlplane, ns, name,
+                           lambda o: ((o.get("status") or {}).get("tuning") or {}).get("phase") == "Recommended",
+                           timeout=240, what="a recommendation", operator=op)
+        st = obj["status"]
+        rec = st["tuning"]["lastChange"]
+        sys.stderr.write(f"recommendation: {rec}\n")
+        assert rec["action"] == "Recommend" and rec["cause"] == "SequenceCap", rec
+        assert rec["before"]["maxNumSeqs"] == 2 and rec["after"]["maxNumSeqs"] > 2
+        assert rec["restart"] is True                      # vLLM changes no knob live
+        assert st["diagnosis"]["cause"] == "SequenceCap"
+        assert st["tuning"]["traceSource"] == "synthesized"
+        metrics = next(c for c in st["conditions"] if c["type"] == "MetricsAvailable")
+        assert metrics["status"] == "True" and "synthesized from vLLM's histograms" in metrics["message"]
+        assert load.stats.ok > 0
+        # Recommend: nothing changed; the same vLLM process still runs with maxNumSeqs 2
+        dep = get(controlplane, "deployment", name, ns)
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--max-num-seqs") + 1] == "2"
+        assert pod_node.get(ns, local.name).returncode is None
+    finally:
+        op.stop()
+        sys.stderr.write(f"\n[operator log tail]\n{op.tail(30)}\n")
+        shutil.rmtree(cache, ignore_errors=True)
