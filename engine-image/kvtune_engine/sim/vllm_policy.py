@@ -1,0 +1,17 @@
+"""vLLM V1's scheduling policy as the simulator's config, to predict a vLLM server.
+
+Our scheduler already shares V1's rules: FCFS with running requests first (decodes and prefill
+chunks within the token budget), the newest running request preempted when a block is missing, no
+admission in a step that preempted, a waiting request admitted when its next chunk's blocks can be
+allocated. What differs is fixed by config here: V1 always chunks prefills, preempts by recompute
+only (no swap: its CPU offloading is a cache tier, not a preemption target), and keeps no watermark
+reserve unless ``--watermark`` says so.
+"""
+from __future__ import annotations
+
+from ..config import EngineConfig
+
+
+def vllm_v1_config(config: EngineConfig, watermark: float = 0.0) -> EngineConfig:
+    """The config under which our scheduler behaves as vLLM V1 with ``config``'s knobs."""
+    return config.with_changes(enable_chunked_prefill=True, swap_space=0.0, watermark=watermark)
