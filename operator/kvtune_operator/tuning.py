@@ -49,6 +49,10 @@ class Gathered:
     window_s: float
     #: the trace was synthesized from the metrics (runtime vllm records none), not recorded
     trace_synthesized: bool = False
+    #: the requests that arrived in the window before this one (the backlog this window inherited is
+    #: among them) and where this window starts, in the trace's clock: the verdict's replay runs them
+    lead: list[dict[str, Any]] = field(default_factory=list)
+    window_start: float | None = None
 
 
 @dataclass
@@ -111,8 +115,11 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
                     w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s,
                                     new_instances=[inst])
                 since = max(0.0, uptime - window)
-                trace = http.get(f"{url}/kvtune/v1/trace", params={"since_s": since, "limit": 5000}) \
+                recent = http.get(f"{url}/kvtune/v1/trace", params={"since_s": max(0.0, since - window),
+                                                                    "limit": 10000}) \
                     .raise_for_status().json().get("requests", [])
+                lead = [r for r in recent if float(r.get("arrival_s", 0.0)) < since]
+                trace = [r for r in recent if float(r.get("arrival_s", 0.0)) >= since]
                 steps = http.get(f"{url}/kvtune/v1/steps", params={"limit": 2000}).raise_for_status().json()
         except (httpx.HTTPError, ValueError) as e:
             errors.append(f"{url}: {e}")
@@ -121,7 +128,7 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
         obs = Observation.from_metrics(w.figures, state=state, trace=trace, window_s=window,
                                        slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s)
         # the step log gives the cost fit one sample per step (the histograms only their means)
-        return Gathered(obs.with_engine_steps(steps.get("steps", [])), trace, window)
+        return Gathered(obs.with_engine_steps(steps.get("steps", [])), trace, window, lead=lead, window_start=since)
     if young:
         raise MetricsUnavailable("WindowTooShort", f"the engine started less than {MIN_WINDOW_S:.0f}s ago "
                                  f"({'; '.join(young)}); waiting for metrics from it")
@@ -290,7 +297,8 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     state = state_from_status(status.tuning if status else None)
     trying = trial is not None and mode == AutotuneMode.APPLY and state.phase != "Verifying"
     rnd, state = tune_round(settings, state, obs, gathered.trace, now, base_profile=base_profile,
-                            apply=mode == AutotuneMode.APPLY, decide=not trying)
+                            apply=mode == AutotuneMode.APPLY, decide=not trying, lead=gathered.lead,
+                            window_start=gathered.window_start)
     if trying and rnd.verdict is None:
         cfg = current.with_changes(**trial)
         rnd.decision = Decision("change", f"trying the knobs of annotation {TRY_ANNOTATION}", current, cfg,

@@ -129,17 +129,22 @@ class Demo:
             self.state.config = r.json()["config"]
 
     # ---------------------------------------------------------------- observing
-    def observe(self, since: float) -> tuple[Observation, list[dict]]:
+    def observe(self, since: float) -> tuple[Observation, list[dict], list[dict], float]:
+        """The window's observation and trace, the trace of the window before it (the backlog the
+        window inherited is in it) and where the window starts, in the trace's clock."""
         url = self.engine.url
         with httpx.Client(timeout=10) as http:
             state = http.get(f"{url}/kvtune/v1/state").json()
-            trace = http.get(f"{url}/kvtune/v1/trace",
-                             params={"since_s": max(0.0, state["uptime_s"] - self.window_s)}).json()["requests"]
+            start = max(0.0, state["uptime_s"] - self.window_s)
+            recent = http.get(f"{url}/kvtune/v1/trace",
+                              params={"since_s": max(0.0, start - self.window_s)}).json()["requests"]
             steps = http.get(f"{url}/kvtune/v1/steps", params={"limit": 4000}).json()["steps"]
+        lead = [r for r in recent if r["arrival_s"] < start]
+        trace = [r for r in recent if r["arrival_s"] >= start]
         s = settings().objectives
         obs = Observation.from_metrics(self.monitor.window(since), state=state, trace=trace,
                                        window_s=self.now() - since, slo_ttft_s=s.slo_ttft_s, slo_tpot_s=s.slo_tpot_s)
-        return obs.with_engine_steps(steps), trace
+        return obs.with_engine_steps(steps), trace, lead, start
 
     def wait_window(self) -> float:
         start = self.now()
@@ -173,12 +178,12 @@ class Demo:
         first = True
         for _ in range(self.rounds):
             since = self.wait_window()
-            obs, trace = self.observe(since)
+            obs, trace, lead, start = self.observe(since)
             if first:
                 self.state.windows.append(WindowFigures(phase.name, "before", cfg.as_flags(), self.figures(obs)))
             self.state.status = "diagnosing and predicting candidates in the simulator"
             self.on_update()
-            rnd: Round = tuner.round(obs, trace, self.now())
+            rnd: Round = tuner.round(obs, trace, self.now(), lead=lead, window_start=start)
             self.state.diagnosis, self.state.cause = rnd.diagnosis.message, rnd.diagnosis.cause
             if rnd.verdict is not None:
                 v = rnd.verdict
@@ -203,7 +208,7 @@ class Demo:
             first = False
         else:
             since = self.wait_window()
-            obs, _ = self.observe(since)
+            obs = self.observe(since)[0]
             self.state.windows.append(WindowFigures(phase.name, "after", cfg.as_flags(), self.figures(obs)))
 
     def event(self, phase: str, kind: str, text: str, restart: bool = False,

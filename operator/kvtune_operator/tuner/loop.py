@@ -93,7 +93,7 @@ class Tuner:
         self.state = state or TunerState()
 
     def round(self, obs: Observation, trace: Sequence[Any], now: float, *, apply: bool = True,
-              decide: bool = True) -> Round:
+              decide: bool = True, lead: Sequence[Any] = (), window_start: float | None = None) -> Round:
         """One tick: verify the pending change (if any) on this window, then diagnose and, unless
         ``decide`` is False, predict and choose. ``apply=False`` (Recommend mode) chooses without
         starting a verification."""
@@ -107,7 +107,11 @@ class Tuner:
             counterfactual = None
             if tr and st.pending is not None:
                 profile, fit = fitted(obs, self.base_profile)
-                old = Predictor(profile, s.slo).predict(tr, EngineConfig.model_validate(st.pending.before))
+                before = EngineConfig.model_validate(st.pending.before)
+                # the old config on this window, with the backlog the window inherited when the
+                # trace before it is known (``lead``, in the records' clock, up to ``window_start``)
+                old = Predictor(profile, s.slo).predict_window(lead, trace, before, window_start) \
+                    if lead and window_start is not None else Predictor(profile, s.slo).predict(tr, before)
                 counterfactual = window_figures(old) if old is not None else None
             verdict, nxt = st.verify(measured_figures(obs), now, s.objectives, counterfactual)
             if not verdict.keep:
@@ -174,12 +178,13 @@ class Tuner:
 
 
 def tune_round(settings: TunerSettings, state: TunerState, obs: Observation, trace: Sequence[Any], now: float, *,
-               base_profile: Profile | None = None, apply: bool = True,
-               decide: bool = True) -> tuple[Round, TunerState]:
+               base_profile: Profile | None = None, apply: bool = True, decide: bool = True,
+               lead: Sequence[Any] = (), window_start: float | None = None) -> tuple[Round, TunerState]:
     """One round as a pure function: (settings, state, window, trace, now) -> (round, new state).
     ``state`` is left as it was (the operator keeps both in status; see Tuner.round for the rest)."""
     tuner = Tuner(settings, base_profile=base_profile, state=copy.deepcopy(state))
-    return tuner.round(obs, trace, now, apply=apply, decide=decide), tuner.state
+    return tuner.round(obs, trace, now, apply=apply, decide=decide, lead=lead, window_start=window_start), \
+        tuner.state
 
 
 def _score(summary: Mapping[str, Any], objectives: Objectives) -> Score:

@@ -15,7 +15,7 @@ from pydantic import PrivateAttr
 
 from kvtune_engine.config import ConfigError, EngineConfig
 from kvtune_engine.sim.profile import Profile
-from kvtune_engine.sim.simulator import SLO, simulate
+from kvtune_engine.sim.simulator import SLO, percentile, simulate
 from kvtune_engine.sim.trace import TraceRequest, parse_request
 
 from .fit import StepCostFit, fit_step_cost
@@ -130,6 +130,25 @@ class Predictor:
             self._cache[key] = simulate(list(trace), cfg, self.profile, self.slo)
         return self._cache[key]
 
+    def predict_window(self, lead: Sequence[Any], window: Sequence[Any], cfg: EngineConfig,
+                       window_start: float) -> Mapping[str, Any] | None:
+        """``cfg`` replayed on the window *with the backlog it inherited*: the requests of ``lead``
+        (arrived before ``window_start``, in the records' own clock) run first, and the figures count
+        only the requests that finish inside the window, as the engine's histograms do. Without the
+        lead, a replay starts the window with an empty engine, while the real one may still be
+        draining the queue built before it (after a change that made it faster, say)."""
+        recs = [r for r in (*lead, *window) if _field(r, "output_tokens")]
+        if not recs:
+            return None
+        t0 = min(float(_field(r, "arrival_s")) for r in recs)
+        try:
+            self.profile.kv_cache_size(cfg)
+        except ConfigError:
+            return None
+        self.runs += 1
+        s = simulate(as_trace(recs), cfg, self.profile, self.slo, per_request=True)
+        return window_summary(s["per_request"], window_start - t0, self.slo)
+
     def predict_many(self, trace: Sequence[TraceRequest], cfgs: Iterable[EngineConfig]
                      ) -> list[tuple[EngineConfig, Mapping[str, Any]]]:
         out = []
@@ -148,3 +167,27 @@ def fitted(obs: Observation, base: Profile | None, *, min_samples: int = 50) -> 
         bw = base.swap_bandwidth_bytes_per_s if base is not None else None
         fit = fit_step_cost(obs.step_samples, swap_bandwidth=bw)
     return profile_for(obs, base, fit), fit
+
+
+def _field(r: Any, name: str) -> Any:
+    return getattr(r, name) if isinstance(r, TraceRequest) else dict(r).get(name)
+
+
+def window_summary(rows: Sequence[Mapping[str, Any]], start: float, slo: SLO) -> dict[str, Any]:
+    """The figures of the requests (simulate's ``per_request`` rows) that finished at or after
+    ``start``: goodput, throughput and queue-time percentiles over the window, per second of it
+    (what a verdict compares; preemptions are not attributed to a window here)."""
+    done = [r for r in rows if r["arrival_s"] + r["e2e_s"] >= start]
+    end = max((r["arrival_s"] + r["e2e_s"] for r in done), default=start)
+    dur = max(end - start, 1e-9)
+
+    def good(r: Mapping[str, Any]) -> bool:
+        n = r["output_tokens"]
+        tpot = (r["e2e_s"] - r["ttft_s"]) / (n - 1) if n > 1 else None
+        return slo.met(r["ttft_s"], tpot)
+
+    queue = sorted(r["queue_s"] for r in done)
+    return {"goodput_requests_per_s": sum(good(r) for r in done) / dur,
+            "output_tokens_per_s": sum(r["output_tokens"] for r in done) / dur,
+            "requests_per_s": len(done) / dur, "duration_s": dur,
+            "queue_time_p95_s": percentile(queue, 0.95) or 0.0, "queue_time_p99_s": percentile(queue, 0.99) or 0.0}
