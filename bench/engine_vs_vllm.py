@@ -18,7 +18,7 @@ servers) with torch.mm and oneDNN's linear (torch._C._nn.mkldnn_linear on prepac
 vLLM comes from tests/vllm/setup.sh (installed into .venv-vllm/ if missing; --no-setup refuses
 instead) and is started by tests/vllm/server.py.
 
-    .venv/bin/python bench/engine_vs_vllm.py                    # both orders, ~15 minutes
+    .venv/bin/python bench/engine_vs_vllm.py                    # both orders, 20-30 minutes
     .venv/bin/python bench/engine_vs_vllm.py --runs 2 --json    # two consecutive runs of both orders
     .venv/bin/python bench/engine_vs_vllm.py --only kvtune      # kvtune alone (no vLLM needed)
 """
@@ -267,6 +267,10 @@ def run_engine(which: str, model_dir: Path, run_dir: Path, reqs, a) -> dict:
     sampler = RssSampler(srv.proc.pid)
     try:
         r = asyncio.run(measure(srv.url, reqs, a.stream_requests, a.concurrency))
+    except Exception:
+        print(f"{which} failed; the last lines of its log {srv.log_path}:", file=sys.stderr)
+        print("\n".join(Path(srv.log_path).read_text(errors="replace").splitlines()[-40:]), file=sys.stderr)
+        raise
     finally:
         r_peak = sampler.stop()
         srv.stop()

@@ -150,8 +150,9 @@ class LLMEngine:
         t0 = self.clock()
         with self.lock:
             batch = self.scheduler.schedule(t0)
+            step = None if batch.empty else batch.freeze()  # the runner's own, immutable copy
         self.last_step_empty = batch.empty
-        out = StepOutput(tokens=[], duration_s=0.0) if batch.empty else self.runner.execute(batch)
+        out = StepOutput(tokens=[], duration_s=0.0) if step is None else self.runner.execute(step)
         now = t0 if batch.empty else self.clock()
         with self.lock:
             finished = self.scheduler.update(batch, out, now) or []

@@ -166,7 +166,8 @@ def test_huge_requests_do_not_stall_another_stream(tiny_llama):  # noqa: F811
                 started = asyncio.Event()
 
                 async def stream():
-                    body = {"prompt": "a b c", "max_tokens": 3000, "temperature": 0, "ignore_eos": True,
+                    # long enough to outlast the hostile requests on a fast engine (max_model_len 4096)
+                    body = {"prompt": "a b c", "max_tokens": 4000, "temperature": 0, "ignore_eos": True,
                             "stream": True}
                     async with c.stream("POST", s.url + "/v1/completions", json=body) as r:
                         async for line in r.aiter_lines():
@@ -502,8 +503,8 @@ def test_disconnect_logged_at_debug_not_error(srv):
         lg.addHandler(h)
     try:
         for _ in range(5):
-            with pytest.raises(httpx.ReadTimeout):
-                post(srv, "/v1/completions", timeout=0.3, json={"prompt": "bye", "max_tokens": 400,
+            with pytest.raises(httpx.ReadTimeout):  # the client leaves mid-generation (500 tokens take > 0.1 s)
+                post(srv, "/v1/completions", timeout=0.1, json={"prompt": "bye", "max_tokens": 500,
                                                                 "ignore_eos": True, "temperature": 0})
         all_free(srv)
     finally:

@@ -2,11 +2,16 @@
 
 One small interface, two implementations: the model runner (torch) and the simulated runner (a cost
 model in virtual time). The scheduler never knows which one it drives.
+
+`Batch` is the scheduler's working record: its entries are the scheduler's own per-request objects,
+reused and changed from step to step. `Batch.freeze()` gives the runner the step as an immutable
+`Step` (tuples all the way down: token ids, positions, block tables as they are now), so the model
+can run while the scheduler moves on; both have the fields a runner reads.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ..request import Request
 
@@ -30,6 +35,29 @@ class ScheduledSeq:
                 for p in range(self.start_pos, self.start_pos + self.num_tokens)]
 
 
+class SeqStep(NamedTuple):
+    """One sequence of a frozen step (the fields of ScheduledSeq, with tuples for lists)."""
+    request: Request           # for the sampler's per-request parameters and generator
+    start_pos: int
+    num_tokens: int
+    block_table: tuple[int, ...]
+    sample: bool
+    token_ids: tuple[int, ...]  # the tokens computed this step
+
+
+class Step(NamedTuple):
+    """A step as the runner receives it: immutable, independent of the scheduler's records."""
+    seqs: tuple[SeqStep, ...]
+    swap_out: tuple[tuple[int, int], ...]
+    swap_in: tuple[tuple[int, int], ...]
+    num_batched_tokens: int
+    num_decode_context_tokens: int
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs and not self.swap_out and not self.swap_in
+
+
 @dataclass(slots=True)
 class Batch:
     seqs: list[ScheduledSeq] = field(default_factory=list)
@@ -41,6 +69,24 @@ class Batch:
     @property
     def empty(self) -> bool:
         return not self.seqs and not self.swap_out and not self.swap_in
+
+    def freeze(self) -> Step:
+        """This step as an immutable Step (copies what the scheduler will change later)."""
+        seqs = []
+        append = seqs.append
+        for s in self.seqs:
+            r, p, n = s.request, s.start_pos, s.num_tokens
+            prompt = r.prompt_token_ids
+            np_ = len(prompt)
+            if n == 1:
+                toks = (prompt[p] if p < np_ else r.output_token_ids[p - np_],)
+            elif p + n <= np_:
+                toks = tuple(prompt[p:p + n])
+            else:
+                toks = tuple((prompt + r.output_token_ids)[p:p + n])
+            append(SeqStep(r, p, n, tuple(s.block_table), s.sample, toks))
+        return Step(tuple(seqs), tuple(self.swap_out), tuple(self.swap_in), self.num_batched_tokens,
+                    self.num_decode_context_tokens)
 
 
 @dataclass(slots=True)
@@ -54,4 +100,4 @@ class StepOutput:
 
 
 class Runner(Protocol):
-    def execute(self, batch: Batch) -> StepOutput: ...
+    def execute(self, batch: Batch | Step) -> StepOutput: ...

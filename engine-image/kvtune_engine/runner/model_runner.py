@@ -22,7 +22,7 @@ import torch
 
 from ..attention import AttentionMetadata, PrefillChunk, cpu_paged, flashinfer_decode, triton_decode
 from ..config import EngineConfig
-from ..core.batch import Batch, ScheduledSeq, StepOutput
+from ..core.batch import Batch, ScheduledSeq, SeqStep, Step, StepOutput
 from ..kv.sizing import KVCacheSize, kv_bytes_per_token, kv_cache_size
 from ..model import CausalLM, ModelLoadError, load_model
 from .sampler import Sampler
@@ -158,7 +158,7 @@ class ModelRunner:
         return int(peak - weights + non_torch)
 
     # ------------------------------------------------------------------ block moves
-    def _swap(self, batch: Batch) -> None:
+    def _swap(self, batch: Step) -> None:
         """Whole blocks, all layers, K and V: out to the host pool, then back in."""
         dev = self.device
         pairs = ((self.k_cache, self.swap_k), (self.v_cache, self.swap_v))
@@ -174,7 +174,7 @@ class ModelRunner:
                 d.index_copy_(2, dst, h.index_select(2, src).to(dev))
 
     # ------------------------------------------------------------------ inputs
-    def prepare(self, seqs: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+    def prepare(self, seqs: list[ScheduledSeq] | tuple[SeqStep, ...]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         """Flat inputs: (token ids, positions, attention metadata, order, sample rows).
 
         `order[j]` is the batch index of the j-th sequence in flat order; `sample rows` are the flat
@@ -189,9 +189,8 @@ class ModelRunner:
         tables: list[list[int]] = []
         for i in dec:
             s = seqs[i]
-            r, p = s.request, s.start_pos
-            np_ = len(r.prompt_token_ids)
-            ids.append(r.prompt_token_ids[p] if p < np_ else r.output_token_ids[p - np_])
+            p = s.start_pos
+            ids.append(s.token_ids[0])
             pos.append(p)
             slots.append(s.block_table[p // bs] * bs + p % bs)
             lens.append(p + 1)
@@ -216,7 +215,7 @@ class ModelRunner:
                                  prefills=prefill_chunks, decode_context_lens_list=lens)
         if nd:
             width = max(len(t) for t in tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables],
+            meta.decode_block_tables = torch.tensor([[*t, *([0] * (width - len(t)))] for t in tables],
                                                     dtype=torch.int64, device=dev)
             meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
         sample_rows = [last_row[i] for i, s in enumerate(seqs) if s.sample]
@@ -225,8 +224,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
-    def execute(self, batch: Batch) -> StepOutput:
+    def execute(self, batch: Batch | Step) -> StepOutput:
+        """Run one step; a Batch is frozen first (the engine hands over a frozen Step)."""
         t0 = time.perf_counter()
+        if isinstance(batch, Batch):
+            batch = batch.freeze()
         self._swap(batch)
         seqs = batch.seqs
         tokens: list[int | None] = [None] * len(seqs)

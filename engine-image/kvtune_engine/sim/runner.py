@@ -5,7 +5,7 @@ sampled token is `token_id` (simulated requests have no eos, so they stop at max
 """
 from __future__ import annotations
 
-from ..core.batch import Batch, StepOutput
+from ..core.batch import Batch, Step, StepOutput
 from .profile import Profile
 
 
@@ -17,7 +17,7 @@ class SimulatedRunner:
         self.steps = 0
         self.busy_s = 0.0
 
-    def execute(self, batch: Batch) -> StepOutput:
+    def execute(self, batch: Batch | Step) -> StepOutput:
         seqs = batch.seqs
         tok = self.token_id
         pairs = 0.0
