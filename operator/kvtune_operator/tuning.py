@@ -1,10 +1,12 @@
 """The tuner in the cluster: one tick per InferenceDeployment, as pure as the cluster allows.
 
 `tick` takes what the timer gathered (spec, status, the Prometheus window, the engine's state and
-trace) and the deployment's `Tuner`, runs one round of the very loop `kvtune tune` runs, and returns
-what to write: status (diagnosis, tuning, tuned knobs in status.engine), conditions and events. It
-never writes the spec. `gather` is the I/O half: Prometheus over the window, then the trace and state
-of one engine replica it scraped.
+trace), rebuilds the tuner's state from status.tuning, runs one round of the very loop `kvtune tune`
+runs (`tune_round`), and returns what to write: status (diagnosis, tuning with the tuner's new state,
+tuned knobs in status.engine), conditions, events and a replica count to scale to. It never writes
+spec.engine. `gather` is the I/O half: Prometheus over the window, then the trace and state of one
+engine replica it scraped; `TuningLoop` checks a pending restart's pods first (a failed rollout is
+rolled back without a window).
 """
 from __future__ import annotations
 
