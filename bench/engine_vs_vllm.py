@@ -138,7 +138,8 @@ class KvtuneServer:
                      "--max-num-seqs", str(ENGINE["max_num_seqs"]),
                      "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
                      "--max-model-len", str(ENGINE["max_model_len"]), "--log-level", "warning"]
-        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        # a crash in native code (or a kill) must leave a trace in the log
+        self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONFAULTHANDLER": "1"}
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0):
@@ -162,6 +163,8 @@ class KvtuneServer:
 
     def stop(self):
         p, self.proc = self.proc, None
+        if p is not None and p.poll() is not None:
+            print(f"  kvtune serve had exited with status {p.returncode}", file=sys.stderr)
         if p is not None and p.poll() is None:
             p.terminate()
             try:
