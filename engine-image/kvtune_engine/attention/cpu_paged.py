@@ -46,7 +46,15 @@ def _build():
     root = Path(os.environ.get("KVTUNE_EXT_DIR") or Path.home() / ".cache" / "kvtune" / "ext")
     build = root / f"cpu_paged_{key}"
     build.mkdir(parents=True, exist_ok=True)
-    return load(name=f"kvtune_cpu_paged_{key}", sources=[str(_SRC)], build_directory=str(build),
+    # compile a copy inside the build folder: ninja keys on the source's path, and two checkouts
+    # (worktrees, an installed wheel) sharing one cache would otherwise rebuild each other's object
+    src = build / _SRC.name
+    data = _SRC.read_bytes()
+    if not src.exists() or src.read_bytes() != data:
+        tmp = build / f".{_SRC.name}.{os.getpid()}"
+        tmp.write_bytes(data)
+        os.replace(tmp, src)
+    return load(name=f"kvtune_cpu_paged_{key}", sources=[str(src)], build_directory=str(build),
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"],
                 extra_ldflags=["-fopenmp"], verbose=False)
 
