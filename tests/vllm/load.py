@@ -40,7 +40,9 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, r: dict[str, Any
 async def replay_async(url: str, model: str, trace: Sequence[dict[str, Any]], timeout_s: float = 600) -> list[dict]:
     """Send each trace request at its arrival time; returns one record per request."""
     results: list[dict] = []
-    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    # one fresh connection per request: a pooled one that the server's keep-alive timer (vLLM: 5 s)
+    # closes just as it is reused ends in a ReadError that says nothing about the engine
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
         t0 = time.monotonic()
         await asyncio.gather(*(_one(client, url, model, r, i, t0, results) for i, r in enumerate(trace)))

@@ -167,7 +167,9 @@ class VllmServer:
     def __enter__(self) -> "VllmServer":
         return self.start() if self.proc is None else self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:  # pytest shows captured stdout with the failure: what vLLM said last
+            print(f"--- {self.log_path} (last lines) ---\n{self.log_tail(80)}", flush=True)
         self.stop()
 
 
