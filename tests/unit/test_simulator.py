@@ -229,3 +229,46 @@ def test_fit_step_costs_recovers_a_linear_model():
     assert got == pytest.approx((c0, ct, cc), rel=1e-6)
     with pytest.raises(ValueError):
         fit_step_costs([(1, 1, 1.0)] * 5)
+
+
+def test_a_speed_timeline_scales_the_steps_that_start_in_its_windows():
+    from kvtune_engine.sim.profile import SpeedTimeline
+    base = PROFILES["a100-llama3-8b"]
+    t1, t2, t3 = base.step_time(100, 0, 100 * 101 / 2), base.step_time(1, 101), base.step_time(1, 102)
+    # the prefill starts at 5.0 in a window at 2x; the decodes start after it, outside the timeline (1x)
+    slow = base.model_copy(update={"speed": SpeedTimeline(start_s=4.0, window_s=1.0 + 1.5 * t1, factors=(2.0,))})
+    s = simulate([TraceRequest(5.0, 100, 3)], EngineConfig(), slow)
+    assert s["ttft_p50_s"] == pytest.approx(2 * t1)
+    assert s["duration_s"] == pytest.approx(2 * t1 + t2 + t3)
+    tl = SpeedTimeline(start_s=1.0, window_s=2.0, factors=(0.5, 3.0))
+    assert [tl.at(t) for t in (0.9, 1.0, 2.9, 3.0, 4.9, 5.0)] == [1.0, 0.5, 0.5, 3.0, 3.0, 1.0]
+
+
+def test_a_slow_stretch_builds_the_queue_a_steady_machine_would_not():
+    from kvtune_engine.sim.profile import SpeedTimeline
+    p = PROFILES["a100-llama3-8b"]
+    trace = mix(requests=200, rate=40.0, prompt_mean=256, output_mean=64, seed=3)
+    cfg = EngineConfig(max_num_seqs=8)
+    steady = simulate(trace, cfg, p)
+    slow = simulate(trace, cfg, p.model_copy(update={"speed": SpeedTimeline(start_s=0.0, window_s=1.0,
+                                                                              factors=(1.0, 1.5, 1.5))}))
+    fast = simulate(trace, cfg, p.model_copy(update={"speed": SpeedTimeline(start_s=0.0, window_s=1.0,
+                                                                              factors=(1.0, 0.7, 0.7))}))
+    assert slow["queue_time_p50_s"] > steady["queue_time_p50_s"] > fast["queue_time_p50_s"]
+    assert slow["duration_s"] > steady["duration_s"] > fast["duration_s"]
+
+
+def test_vllm_queue_time_starts_when_the_loop_takes_the_request_in():
+    from kvtune_engine.sim.vllm_policy import QUEUE_CLOCK
+    p = PROFILES["a100-llama3-8b"]
+    t1 = p.step_time(100, 0, 100 * 101 / 2)
+    trace = [TraceRequest(0.0, 100, 3), TraceRequest(t1 / 2, 100, 3)]   # the second arrives mid-prefill
+    ours = simulate(trace, EngineConfig(), p, per_request=True)
+    vllm = simulate(trace, EngineConfig(), p, per_request=True, queue_clock=QUEUE_CLOCK)
+    q = {r["id"]: r["queue_s"] for r in ours["per_request"]}
+    assert q["r1"] == pytest.approx(t1 / 2)          # waited for the step running at its arrival
+    qv = {r["id"]: r["queue_s"] for r in vllm["per_request"]}
+    assert qv["r1"] == pytest.approx(0.0)            # taken in at the step's end, scheduled at once
+    assert vllm["ttft_p50_s"] == ours["ttft_p50_s"]  # TTFT still from the arrival
+    with pytest.raises(ValueError, match="queue_clock"):
+        simulate(trace, EngineConfig(), p, queue_clock="scrape")

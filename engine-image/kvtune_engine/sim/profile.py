@@ -15,6 +15,13 @@ batches from looking cheaper than they are, and a linear fit (cpu-tiny) is the s
 weights_read_s = 0. Prefill attention is quadratic in prompt length; without its own term a 32k
 prompt would look as cheap as 32k separate decodes.
 
+Machine speed (`speed`, optional): a profile fitted from one window of an engine's steps may carry
+how much slower (factor > 1) or faster than the cost model the machine ran, window by window of that
+window's clock (`SpeedTimeline`). A shared machine's speed swings by up to 2x within minutes (other
+processes take the cores); a replay of that window under a candidate config then runs on the same
+machine conditions as the measured one, so a slow stretch builds the queue it built for real.
+Outside the timeline, and for named profiles, the factor is 1.
+
 Memory picture (`kv_cache_size`): the device's total bytes, the weights, the activation peak as a
 function of `max_num_batched_tokens`, and K/V bytes per token from the model shape; the number of
 blocks then comes from `kvtune_engine.kv.sizing.kv_cache_size`, the function the CUDA runner uses.
@@ -32,6 +39,19 @@ from ..kv.sizing import GIB, KVCacheSize, kv_bytes_per_token, kv_cache_size
 
 class ProfileError(ValueError):
     """A profile name that does not exist or a profile file that is not valid."""
+
+
+class SpeedTimeline(BaseModel):
+    """Step-time factors by consecutive windows of ``window_s`` from ``start_s`` (the trace's clock)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start_s: float
+    window_s: float = Field(gt=0)
+    factors: tuple[float, ...] = Field(min_length=1)
+
+    def at(self, t: float) -> float:
+        k = int((t - self.start_s) // self.window_s)
+        return self.factors[k] if 0 <= k < len(self.factors) else 1.0
 
 
 class Profile(BaseModel):
@@ -58,6 +78,8 @@ class Profile(BaseModel):
     per_token_s: float = Field(ge=0)
     per_context_token_s: float = Field(ge=0)
     per_prefill_pair_s: float = Field(ge=0)
+    speed: SpeedTimeline | None = Field(default=None, description="The machine's speed over the window the "
+                                        "costs were fitted on (module docstring); None: steady.")
     derivation: str = ""
 
     @property

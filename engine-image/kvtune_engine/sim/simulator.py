@@ -5,7 +5,10 @@ keys are documented in README.md ("kvtune sim output"). Deterministic: the same 
 same summary.
 
 Arrival: a request's latencies (queue time, TTFT, e2e) start at its trace arrival, what its client
-sees; the engine's server stamps them the same way (when the HTTP request arrives).
+sees; the engine's server stamps them the same way (when the HTTP request arrives). vLLM's queue time
+starts later: its engine core stamps a request queued when the loop takes it in between two steps, so
+the wait for the step running at its arrival is not in it (``queue_clock="intake"``; see
+``vllm_policy.QUEUE_CLOCK``). TTFT and e2e start at the arrival either way.
 
 Synthetic token ids: a request of prefix group g gets the group's shared tokens for its first
 `prefix_tokens` positions and tokens unique to the request after that, so the prefix cache sees
@@ -74,8 +77,9 @@ class _Tokens:
 class _Acc:
     """Time-weighted integrals of the cache state and per-request latencies."""
 
-    def __init__(self, slo: SLO, per_request: bool = False) -> None:
+    def __init__(self, slo: SLO, per_request: bool = False, intake: dict[str, float] | None = None) -> None:
         self.slo = slo
+        self.intake = intake   # request id -> when the loop took it in (queue_clock "intake")
         self.rows: list[dict] | None = [] if per_request else None
         self.busy_s = 0.0
         self.usage = self.frag = self.running = self.shared = self.queued = 0.0
@@ -100,7 +104,8 @@ class _Acc:
                 continue
             t1 = req.first_token_s - req.arrival_s
             self.ttft.append(t1)
-            self.queue.append(req.first_scheduled_s - req.arrival_s)
+            t0 = req.arrival_s if self.intake is None else self.intake.pop(req.request_id, req.arrival_s)
+            self.queue.append(req.first_scheduled_s - t0)
             self.e2e.append(req.finished_s - req.arrival_s)
             t2 = (req.finished_s - req.first_token_s) / (n_out - 1) if n_out > 1 else None
             if t2 is not None:
@@ -113,21 +118,26 @@ class _Acc:
 
 
 def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
-             slo: SLO | None = None, *, per_request: bool = False) -> dict:
+             slo: SLO | None = None, *, per_request: bool = False, queue_clock: str = "arrival") -> dict:
     """Replay `trace` under `config` on `profile`; the summary dict of `kvtune sim --json`.
 
     `per_request`: also a `per_request` list (finish order) of each started request's `queue_s`,
-    `ttft_s`, `e2e_s`, `output_tokens` (bench/sim_fidelity.py buckets them as the engine would)."""
+    `ttft_s`, `e2e_s`, `output_tokens` (bench/sim_fidelity.py buckets them as the engine would).
+    `queue_clock`: where queue time starts, "arrival" (ours) or "intake" (vLLM's; module docstring)."""
     if not trace:
         raise ValueError("empty trace")
+    if queue_clock not in ("arrival", "intake"):
+        raise ValueError(f"queue_clock is 'arrival' or 'intake', not {queue_clock!r}")
     size = profile.kv_cache_size(config)
     sched = Scheduler(config, size.num_blocks, size.num_swap_blocks)
     runner = SimulatedRunner(profile, size.block_bytes)
-    acc = _Acc(slo or SLO(), per_request)
+    intake: dict[str, float] | None = {} if queue_clock == "intake" else None
+    acc = _Acc(slo or SLO(), per_request, intake)
     order = sorted(range(len(trace)), key=lambda j: trace[j].arrival_s)
     tokens = _Tokens()
     schedule, execute, update = sched.schedule, runner.execute, sched.update
     kv = sched.kv
+    speed = profile.speed
     nb, bs, reserve = size.num_blocks, config.block_size, sched.reserve_blocks
     waiting, swapped = sched.waiting, sched.swapped
     busy = usage = frag = shared = running = queued = free_t = reserved_t = cached_t = 0.0
@@ -145,6 +155,8 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
                           prefix_group=r.prefix_group)
             try:
                 sched.add_request(req)
+                if intake is not None:
+                    intake[req.request_id] = now
             except RequestRejected:
                 rejected += 1
             i += 1
@@ -162,6 +174,9 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
             continue
         out = execute(batch)
         dt = out.duration_s
+        if speed is not None:   # the machine as fast as it was at this time of the fitted window
+            dt *= speed.at(now)
+            out.duration_s = dt
         # the cache as it is during this step (blocks for the tokens being computed included),
         # weighted by the step's duration: what averaging a scraped gauge over time gives
         n_free, n_idle = kv.num_free, kv.num_cached_idle

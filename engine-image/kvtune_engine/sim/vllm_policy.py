@@ -5,11 +5,16 @@ chunks within the token budget), the newest running request preempted when a blo
 admission in a step that preempted, a waiting request admitted when its next chunk's blocks can be
 allocated. What differs is fixed by config here: V1 always chunks prefills, preempts by recompute
 only (no swap: its CPU offloading is a cache tier, not a preemption target), and keeps no watermark
-reserve unless ``--watermark`` says so.
+reserve unless ``--watermark`` says so. And its queue time (``vllm:request_queue_time_seconds``) starts
+when the engine core takes the request in between two steps, not at its arrival: ``QUEUE_CLOCK``, for
+``simulate(..., queue_clock=QUEUE_CLOCK)``.
 """
 from __future__ import annotations
 
 from ..config import EngineConfig
+
+#: where vLLM's queue time starts (``simulate``'s ``queue_clock``): at intake, between two steps
+QUEUE_CLOCK = "intake"
 
 
 def vllm_v1_config(config: EngineConfig, watermark: float = 0.0) -> EngineConfig:
