@@ -81,3 +81,57 @@ def test_bad_bounds_say_what_is_wrong(spec, words):
     with pytest.raises(ConfigError) as e:
         Bounds.parse(spec)
     assert words in str(e.value)
+
+
+def _steps_on_a_machine(speed_of, n=3000, seed=5):
+    """Engine-style step log of steps costing 4 ms + 20 us/token, run at ``speed_of(t)`` times that."""
+    r = random.Random(seed)
+    t, steps = 0.0, []
+    for _ in range(n):
+        tok = r.choice((1, 4, 8, 64, 256))
+        d = (0.004 + 2e-5 * tok) * speed_of(t) * (1 + r.gauss(0, 0.2))
+        steps.append({"t_s": t, "duration_s": d, "batched_tokens": tok, "num_decodes": 1})
+        t += d
+    return steps
+
+
+def test_speed_timeline_finds_a_slow_stretch_of_the_machine():
+    from kvtune_operator.tuner.fit import samples_from_engine_steps, speed_timeline
+    steps = _steps_on_a_machine(lambda t: 1.6 if 6.0 <= t < 10.0 else 1.0)
+    samples = samples_from_engine_steps(steps)
+    fit = fit_step_cost(samples)
+    tl = speed_timeline(samples, fit, window_s=2.0)
+    assert tl is not None and tl.start_s == 0.0 and tl.window_s == 2.0
+    # the fit charges the run's mean speed; the timeline says which stretch ran how much off it
+    fast = [tl.at(t) for t in (1.0, 3.0, 5.0, 11.0, 13.0)]
+    slow = [tl.at(t) for t in (7.0, 9.0)]
+    assert max(fast) / min(fast) < 1.1 and max(slow) / min(slow) < 1.1
+    assert sum(slow) / len(slow) / (sum(fast) / len(fast)) == pytest.approx(1.6, rel=0.08)
+    assert min(fast) < 1.0 < max(slow)
+
+
+def test_speed_timeline_needs_times_and_keeps_an_idle_stretch_near_the_mean():
+    from kvtune_operator.tuner.fit import samples_from_engine_steps, speed_timeline
+    steps = _steps_on_a_machine(lambda t: 1.0, n=1000)
+    late = steps[-1]["t_s"] + 10.0   # 10 s idle, then one slow step alone in its window
+    steps.append({"t_s": late, "duration_s": 0.05, "batched_tokens": 1, "num_decodes": 0})
+    samples = samples_from_engine_steps(steps)
+    fit = fit_step_cost(samples)
+    tl = speed_timeline(samples, fit, window_s=1.0)
+    assert tl.at(late - 5.0) == pytest.approx(1.0, rel=0.05)       # no steps: the mean
+    assert tl.at(late) < 3.0                                        # one step of 12x: pulled to the mean
+    assert speed_timeline([StepSample(0.01, 10)] * 10, fit) is None  # no times
+
+
+def test_fitted_profiles_carry_the_machine_speed_unless_asked_not_to():
+    from kvtune_engine.sim.profiles import PROFILES
+    from kvtune_operator.tuner.fit import samples_from_engine_steps
+    from kvtune_operator.tuner.observation import Observation
+    from kvtune_operator.tuner.predict import fitted
+    steps = _steps_on_a_machine(lambda t: 1.5 if t >= 5.0 else 1.0, n=2000)
+    obs = Observation(config=EngineConfig(), step_samples=tuple(samples_from_engine_steps(steps)))
+    base = PROFILES["a100-llama3-8b"]
+    prof, fit = fitted(obs, base)
+    assert fit is not None and prof.speed is not None and prof.speed.at(7.0) > 1.3 * prof.speed.at(1.0)
+    assert fitted(obs, base, speed=False)[0].speed is None
+    assert base.speed is None   # named profiles run steady

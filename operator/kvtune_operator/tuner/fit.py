@@ -28,6 +28,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from kvtune_engine.sim.profile import SpeedTimeline
+
 from .observation import StepSample
 
 TERMS = ("c0", "c_tok", "c_ctx", "c_pair")
@@ -196,9 +198,46 @@ def samples_from_engine_steps(steps: Iterable[dict], block_bytes: float | None =
             swapped = 0.0
             if block_bytes:
                 swapped = (float(s.get("swap_in_blocks", 0) or 0) + float(s.get("swap_out_blocks", 0) or 0)) * block_bytes
+            t = s.get("t_s")
             out.append(StepSample(d + e, float(s.get("batched_tokens", 0) or 0),
                                   float(s.get("decode_context_tokens", 0) or 0), 1.0,
-                                  float(s.get("prefill_pairs", 0) or 0), swapped))
+                                  float(s.get("prefill_pairs", 0) or 0), swapped,
+                                  None if t is None else float(t)))
         except (KeyError, TypeError, ValueError):
             continue
     return out
+
+
+#: the speed timeline's window: long enough that a window's factor is not one step's noise (a few
+#: hundred steps on CPU: +-3%), short enough to follow the machine's swings (seconds to minutes)
+SPEED_WINDOW_S = 2.0
+
+
+def speed_timeline(samples: Iterable[StepSample], fit: StepCostFit, window_s: float = SPEED_WINDOW_S
+                   ) -> SpeedTimeline | None:
+    """How fast the machine ran, window by window, against ``fit``: each window's measured step time
+    over what the fit charges for the same steps. One fitted cost model leaves a residual that is not
+    per-step noise but slow and fast stretches of seconds (a shared machine; on the 2-core dev box
+    windows of 2 s ran at 0.8-1.3x the fit within one run), which decide where a queue builds; the
+    simulator replays the window with these factors (``Profile.speed``).
+
+    A window with little measured busy time is pulled towards the run's mean factor (a pseudo-count of
+    a tenth of a window of predicted time), so an idle stretch keeps about 1. None when the samples
+    carry no times or the fit charges nothing."""
+    rows = [(s.t_s, s.duration_s * s.weight, fit.predict(s.batched_tokens, s.context_tokens, s.prefill_pairs)
+             * s.weight) for s in samples if s.t_s is not None and s.weight > 0 and math.isfinite(s.duration_s)]
+    rows = [r for r in rows if math.isfinite(r[0])]
+    total_pred = sum(p for _, _, p in rows)
+    if not rows or total_pred <= 0 or window_s <= 0:
+        return None
+    mean = sum(w for _, w, _ in rows) / total_pred
+    start = min(t for t, _, _ in rows)
+    n = int((max(t for t, _, _ in rows) - start) // window_s) + 1
+    meas, pred = [0.0] * n, [0.0] * n
+    for t, w, p in rows:
+        k = min(n - 1, int((t - start) // window_s))
+        meas[k] += w
+        pred[k] += p
+    prior = 0.1 * window_s
+    return SpeedTimeline(start_s=start, window_s=window_s,
+                         factors=tuple((m + prior * mean) / (p + prior) for m, p in zip(meas, pred)))

@@ -14,11 +14,11 @@ from typing import Any, Iterable, Mapping, Sequence
 from pydantic import PrivateAttr
 
 from kvtune_engine.config import ConfigError, EngineConfig
-from kvtune_engine.sim.profile import Profile
+from kvtune_engine.sim.profile import Profile, SpeedTimeline
 from kvtune_engine.sim.simulator import SLO, percentile, simulate
 from kvtune_engine.sim.trace import TraceRequest, parse_request
 
-from .fit import StepCostFit, fit_step_cost
+from .fit import StepCostFit, fit_step_cost, speed_timeline
 from .observation import GiB, Observation, StepSample
 
 
@@ -43,8 +43,10 @@ class RecordingProfile(Profile):
         return cls.model_validate(profile.model_dump())
 
 
-def as_trace(records: Iterable[Any]) -> list[TraceRequest]:
-    """Trace records (TraceRequest, or dicts in the JSONL format, e.g. the engine's /kvtune/v1/trace)."""
+def as_trace(records: Iterable[Any], *, rebase: bool = False) -> list[TraceRequest]:
+    """Trace records (TraceRequest, or dicts in the JSONL format, e.g. the engine's /kvtune/v1/trace),
+    in arrival order, in the records' own clock (a fitted profile's speed timeline is in it too), or
+    ``rebase``d to start at 0."""
     out = []
     for r in records:
         if isinstance(r, TraceRequest):
@@ -55,17 +57,20 @@ def as_trace(records: Iterable[Any]) -> list[TraceRequest]:
                 continue  # an unfinished request in the engine's log: its length is not known yet
             out.append(parse_request({k: v for k, v in d.items() if v is not None}))
     out.sort(key=lambda r: r.arrival_s)
-    if out:
+    if rebase and out and out[0].arrival_s > 0:
         t0 = out[0].arrival_s
-        if t0 > 0:
-            out = [TraceRequest(r.arrival_s - t0, r.prompt_tokens, r.output_tokens, r.prefix_group, r.prefix_tokens)
-                   for r in out]
+        out = [TraceRequest(r.arrival_s - t0, r.prompt_tokens, r.output_tokens, r.prefix_group, r.prefix_tokens)
+               for r in out]
     return out
 
 
-def profile_for(obs: Observation | None, base: Profile | None = None, fit: StepCostFit | None = None) -> Profile:
-    """The profile predictions run on: ``base`` with the window's memory figures and fitted costs."""
+def profile_for(obs: Observation | None, base: Profile | None = None, fit: StepCostFit | None = None,
+                speed: SpeedTimeline | None = None) -> Profile:
+    """The profile predictions run on: ``base`` with the window's memory figures, fitted costs and the
+    machine's speed over the window (``fit.speed_timeline``)."""
     upd: dict[str, Any] = {}
+    if speed is not None:
+        upd["speed"] = speed
     if obs is not None:
         m = obs.memory
         total = float(m.get("device_total", 0) or 0)
@@ -140,14 +145,13 @@ class Predictor:
         recs = [r for r in (*lead, *window) if _field(r, "output_tokens")]
         if not recs:
             return None
-        t0 = min(float(_field(r, "arrival_s")) for r in recs)
         try:
             self.profile.kv_cache_size(cfg)
         except ConfigError:
             return None
         self.runs += 1
         s = simulate(as_trace(recs), cfg, self.profile, self.slo, per_request=True)
-        return window_summary(s["per_request"], window_start - t0, self.slo)
+        return window_summary(s["per_request"], window_start, self.slo)
 
     def predict_many(self, trace: Sequence[TraceRequest], cfgs: Iterable[EngineConfig]
                      ) -> list[tuple[EngineConfig, Mapping[str, Any]]]:
@@ -159,14 +163,18 @@ class Predictor:
         return out
 
 
-def fitted(obs: Observation, base: Profile | None, *, min_samples: int = 50) -> tuple[Profile, StepCostFit | None]:
-    """``profile_for`` with costs fitted from the observation's step samples when there are enough."""
-    fit = None
+def fitted(obs: Observation, base: Profile | None, *, min_samples: int = 50,
+           speed: bool = True) -> tuple[Profile, StepCostFit | None]:
+    """``profile_for`` with costs fitted from the observation's step samples when there are enough, and
+    (``speed``) the machine's speed over the window from the same samples when they carry times."""
+    fit = timeline = None
     if len(obs.step_samples) >= min_samples or (obs.step_samples and all(s.weight > 1 for s in obs.step_samples)
                                                  and len(obs.step_samples) >= 3):
         bw = base.swap_bandwidth_bytes_per_s if base is not None else None
         fit = fit_step_cost(obs.step_samples, swap_bandwidth=bw)
-    return profile_for(obs, base, fit), fit
+        if fit is not None and speed:
+            timeline = speed_timeline(obs.step_samples, fit)
+    return profile_for(obs, base, fit, timeline), fit
 
 
 def _field(r: Any, name: str) -> Any:
