@@ -6,9 +6,11 @@ import shutil
 
 import pytest
 import torch
+
 from safetensors.torch import load_file, save_file
 
 from kvtune_engine.model import ModelConfig, ModelLoadError, load_model, load_tokenizer
+from kvtune_engine.model.linear import packing_enabled
 
 
 @pytest.fixture
@@ -118,7 +120,9 @@ def test_chat_template_file_overrides_and_missing_template(model_copy):
 def test_dtypes(tiny_model, dtype):
     m = load_model(tiny_model("qwen3", tie_embeddings=True), dtype=dtype)
     assert all(p.dtype == dtype for p in m.parameters())
-    assert m.lm_head is m.embed  # tied
+    assert m.lm_head.weight.data_ptr() == m.embed.data_ptr()  # tied: one copy of the embedding
+    if dtype == torch.float32 and packing_enabled("cpu", dtype):  # the other matmuls keep only the packed copy
+        assert all(lin.weight is None and lin.packed is not None for lin in m.layers[0].linears())
 
 
 def test_config_spellings():

@@ -2,8 +2,9 @@
 
 Numerics follow `transformers` step for step (RMSNorm in float32 then cast, residual adds in the
 model dtype, rotate-half RoPE with cos/sin in float32 cast to the dtype), so logits match it on the
-same weights. Speed comes from fusing q/k/v and gate/up into one matmul each, computing the final
-norm and the LM head only for the rows that are sampled, and the paged attention in ../attention.
+same weights. Speed comes from fusing q/k/v and gate/up into one matmul each (on CPU on prepacked oneDNN weights,
+linear.py), computing the final norm and the LM head only for the rows that are sampled, and the
+paged attention in ../attention.
 Input is flat: one row per token of the step, no batch or padding dimension.
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention, write_kv
 from .config import ModelConfig, ModelLoadError, parse_dtype
+from .linear import Linear, packing_enabled
 from .weights import Checkpoint
 
 
@@ -43,28 +45,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
-def _residual_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """h + x @ w.T (+ b): in float32 without bias the residual add is folded into the GEMM (beta = 1);
-    in 16-bit types transformers rounds the product before the add, so it stays separate there."""
-    if b is None and h.dtype == torch.float32:
-        return torch.addmm(h, x, w.t())
-    return h + F.linear(x, w, b)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor | None]):
         super().__init__()
         self.cfg = cfg
         self.input_norm = RMSNorm(w["input_norm"], cfg.rms_norm_eps)
         self.post_norm = RMSNorm(w["post_norm"], cfg.rms_norm_eps)
-        self.qkv_w = _param(w["qkv_w"])
-        self.qkv_b = None if w["qkv_b"] is None else _param(w["qkv_b"])
-        self.o_w = _param(w["o_w"])
-        self.o_b = None if w["o_b"] is None else _param(w["o_b"])
-        self.gate_up_w = _param(w["gate_up_w"])
-        self.gate_up_b = None if w["gate_up_b"] is None else _param(w["gate_up_b"])
-        self.down_w = _param(w["down_w"])
-        self.down_b = None if w["down_b"] is None else _param(w["down_b"])
+        self.qkv = Linear(w["qkv_w"], w["qkv_b"])
+        self.o = Linear(w["o_w"], w["o_b"])
+        self.gate_up = Linear(w["gate_up_w"], w["gate_up_b"])
+        self.down = Linear(w["down_w"], w["down_b"])
         self.q_norm = RMSNorm(w["q_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(w["k_norm"], cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
@@ -74,7 +64,7 @@ class DecoderLayer(nn.Module):
                 decode_fn=None) -> torch.Tensor:
         c = self.cfg
         t = h.shape[0]
-        qkv = F.linear(self.input_norm(h), self.qkv_w, self.qkv_b)
+        qkv = self.qkv(self.input_norm(h))
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         v = v.view(t, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
@@ -87,9 +77,12 @@ class DecoderLayer(nn.Module):
         if kc is not None and meta.slot_mapping is not None:
             write_kv(kc, vc, k, v, meta)
         o = paged_attention(q, k, v, kc, vc, meta, self.scale, decode_fn)
-        h = _residual_linear(h, o.view(t, c.q_size), self.o_w, self.o_b)
-        gate, up = F.linear(self.post_norm(h), self.gate_up_w, self.gate_up_b).chunk(2, dim=-1)
-        return _residual_linear(h, F.silu(gate).mul_(up), self.down_w, self.down_b)
+        h = self.o.add_to(h, o.view(t, c.q_size))
+        gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
+        return self.down.add_to(h, F.silu(gate).mul_(up))
+
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o, self.gate_up, self.down]
 
 
 class CausalLM(nn.Module):
@@ -102,7 +95,7 @@ class CausalLM(nn.Module):
         self.embed = _param(embed)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(norm, cfg.rms_norm_eps)
-        self.lm_head = self.embed if lm_head is None else _param(lm_head)
+        self.lm_head = Linear(self.embed if lm_head is None else lm_head)  # tied: shares embed's storage
         self.register_buffer("inv_freq", cfg.inv_freq().to(embed.device), persistent=False)
         self.decode_fn = None  # set by the runner (Triton on CUDA); None: PyTorch reference
 
@@ -124,7 +117,14 @@ class CausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(hidden), self.lm_head).float()
+        return self.lm_head(self.norm(hidden)).float()
+
+    def pack_gemms(self) -> None:
+        """Every matmul's weight into oneDNN's layout (see linear.py); a tied LM head keeps the embedding."""
+        for layer in self.layers:
+            for lin in layer.linears():
+                lin.pack()
+        self.lm_head.pack(keep_dense=self.lm_head.weight.data_ptr() == self.embed.data_ptr())
 
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
@@ -171,4 +171,6 @@ def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
     lm_head = None if cfg.tie_word_embeddings else get("lm_head.weight", (cfg.vocab_size, H))
     model = CausalLM(cfg, embed, layers, get("model.norm.weight", (H,)), lm_head)
     ck.close()
+    if packing_enabled(device, dt):
+        model.pack_gemms()
     return model.eval()
