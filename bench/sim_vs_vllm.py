@@ -2,7 +2,8 @@
 simulator with step costs fitted from that same vLLM run; prints the error in throughput and in
 median / p99 queue time.
 
-    .venv/bin/python bench/sim_vs_vllm.py [--requests 240] [--rate 12] [--max-num-seqs 16] [--json]
+    .venv/bin/python bench/sim_vs_vllm.py [--requests 240] [--rate 12] [--max-num-seqs 16] [--json] [--keep DIR]
+    .venv/bin/python bench/sim_vs_vllm.py --replay DIR     # re-evaluate a kept run, no vLLM
 
 Needs ``bash tests/vllm/setup.sh``. What is compared, and why so:
 
@@ -43,8 +44,8 @@ sys.path.insert(0, str(ROOT))
 from kvtune_engine.sim.profile import Profile  # noqa: E402
 from kvtune_engine.sim.simulator import simulate  # noqa: E402
 from kvtune_engine.sim.trace import TraceRequest  # noqa: E402
-from kvtune_engine.sim.vllm_policy import vllm_v1_config  # noqa: E402
-from kvtune_operator.tuner.fit import fit_step_cost  # noqa: E402
+from kvtune_engine.sim.vllm_policy import QUEUE_CLOCK, vllm_v1_config  # noqa: E402
+from kvtune_operator.tuner.fit import fit_step_cost, speed_timeline  # noqa: E402
 from kvtune_operator.tuner.observation import MetricFigures  # noqa: E402
 from kvtune_operator.tuner.predict import profile_for  # noqa: E402
 from kvtune_operator.tuner.vllm_observation import VllmAssumptions, read_vllm, samples_of_scrapes  # noqa: E402
@@ -67,7 +68,7 @@ def make_trace(n: int, rate: float, seed: int) -> list[dict]:
 
 
 class Scraper(threading.Thread):
-    """/metrics every ``every`` seconds, each parsed with its wall time."""
+    """/metrics every ``every`` seconds, each text kept with its wall time."""
 
     def __init__(self, srv: VllmServer, every: float = 0.25):
         super().__init__(daemon=True)
@@ -76,7 +77,7 @@ class Scraper(threading.Thread):
     def run(self) -> None:
         while not self.stop.is_set():
             t = time.monotonic()
-            self.scrapes.append((t, MetricFigures.from_prometheus_text(self.srv.metrics())))
+            self.scrapes.append((t, self.srv.metrics()))
             self.stop.wait(max(0.0, self.every - (time.monotonic() - t)))
 
 
@@ -89,7 +90,7 @@ def step_samples(scrapes: list[tuple[float, MetricFigures]]):
         busy = (a.get("vllm:num_requests_running") or 0) > 0 and (b.get("vllm:num_requests_running") or 0) > 0
         if n >= 1 and busy:
             tok = (b.hist_sum("vllm:iteration_tokens_total") or 0) - (a.hist_sum("vllm:iteration_tokens_total") or 0)
-            out.append(StepSample(duration_s=(tb - ta) / n, batched_tokens=tok / n, weight=n))
+            out.append(StepSample(duration_s=(tb - ta) / n, batched_tokens=tok / n, weight=n, t_s=(ta + tb) / 2))
     return out
 
 
@@ -106,22 +107,10 @@ def err(pred: float, real: float) -> float:
     return (pred - real) / real if real else (0.0 if pred == 0 else math.inf)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=240)
-    ap.add_argument("--rate", type=float, default=12.0, help="requests/s (Poisson)")
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--warmup", type=int, default=64, help="warm-up requests before the measured run")
-    ap.add_argument("--scrape-every", type=float, default=1.0,
-                    help="seconds between /metrics scrapes (shorter: more samples, each blurred more by where "
-                         "the scrape falls inside a step)")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+def measure(args: argparse.Namespace, work: Path) -> dict:
+    """One replay of the trace on a real vLLM: the trace, the client's records, and the /metrics
+    texts scraped during it (times relative to the replay's start, the trace's clock)."""
     vllm_bin()
-    t_all = time.monotonic()
-    work = Path(tempfile.mkdtemp(prefix="sim-vs-vllm-"))
     model = work / "model"
     subprocess.run([str(Path(sys.executable).with_name("kvtune")), "make-tiny-model", str(model), "--layers", "4",
                     "--hidden", "256", "--heads", "8", "--kv-heads", "4", "--head-dim", "32", "--intermediate", "512",
@@ -141,7 +130,17 @@ def main() -> int:
         time.sleep(0.6)
         scraper.stop.set()
         scraper.join()
-    scrapes = scraper.scrapes
+    return {"args": {k: getattr(args, k) for k in ("requests", "rate", "max_num_seqs", "max_num_batched_tokens",
+                                                   "seed", "warmup", "scrape_every")},
+            "trace": trace, "results": results, "scrapes": [(t - t0, text) for t, text in scraper.scrapes],
+            "replay_s": time.monotonic() - t0}
+
+
+def evaluate(raw: dict) -> dict:
+    """vLLM's figures from one measured run, and the simulator's prediction from the same run."""
+    a = raw["args"]
+    trace, results = raw["trace"], raw["results"]
+    scrapes = [(t, MetricFigures.from_prometheus_text(text)) for t, text in raw["scrapes"]]
     first = min(r["sent_s"] for r in results)
     span = max(r["done_s"] for r in results) - first
     real_tput = sum(r["completion_tokens"] for r in results) / span
@@ -151,20 +150,25 @@ def main() -> int:
     real_qmean = (window.hist_sum(QUEUE) or 0) / max(1, window.hist_count(QUEUE) or 1)
 
     reading = read_vllm(window, samples_of_scrapes([s for _, s in scrapes]), window_s=scrapes[-1][0] - scrapes[0][0],
-                        assume=VllmAssumptions(max_num_seqs=args.max_num_seqs,
-                                               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048))
+                        assume=VllmAssumptions(max_num_seqs=a["max_num_seqs"],
+                                               max_num_batched_tokens=a["max_num_batched_tokens"], max_model_len=2048))
     samples = step_samples(scrapes)
     fit = fit_step_cost(samples)
-    profile: Profile = profile_for(reading.observation, None, fit)
+    speed = speed_timeline(samples, fit) if fit is not None else None
+    profile: Profile = profile_for(reading.observation, None, fit, speed)
     cfg = vllm_v1_config(reading.observation.config)
     reqs = [TraceRequest(r["arrival_s"], r["prompt_tokens"], r["output_tokens"]) for r in trace]
-    sim = simulate(reqs, cfg, profile, per_request=True)
+    sim = simulate(reqs, cfg, profile, per_request=True, queue_clock=QUEUE_CLOCK)
     sim_q = [r["queue_s"] for r in sim["per_request"]]
     sim_q50, sim_q99 = bucketed_quantile(sim_q, bounds, 0.5), bucketed_quantile(sim_q, bounds, 0.99)
     sim_qmean = sum(sim_q) / len(sim_q)
-    out = {
-        "requests": len(trace), "rate_per_s": args.rate, "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens, "vllm_blocks": reading.observation.num_blocks,
+    # the same on a steady machine (no speed timeline), to show what the timeline changes
+    steady = simulate(reqs, cfg, profile.model_copy(update={"speed": None}), per_request=True,
+                      queue_clock=QUEUE_CLOCK)
+    steady_q = [r["queue_s"] for r in steady["per_request"]]
+    return {
+        "requests": len(trace), "rate_per_s": a["rate"], "max_num_seqs": a["max_num_seqs"],
+        "max_num_batched_tokens": a["max_num_batched_tokens"], "vllm_blocks": reading.observation.num_blocks,
         "vllm_block_size": cfg.block_size, "step_samples": len(samples),
         "fit": None if fit is None else {"c0_s": fit.c0, "per_token_s": fit.c_tok, "rel_rmse": fit.rel_rmse},
         "throughput_tok_s": {"vllm": real_tput, "sim": sim["output_tokens_per_s"],
@@ -172,22 +176,58 @@ def main() -> int:
         "queue_p50_s": {"vllm": real_q50, "sim": sim_q50, "error": err(sim_q50, real_q50)},
         "queue_p99_s": {"vllm": real_q99, "sim": sim_q99, "error": err(sim_q99, real_q99)},
         "queue_mean_s": {"vllm": real_qmean, "sim": sim_qmean, "error": err(sim_qmean, real_qmean)},
+        "steady": {"throughput_tok_s": steady["output_tokens_per_s"],
+                   "queue_p50_s": bucketed_quantile(steady_q, bounds, 0.5),
+                   "queue_p99_s": bucketed_quantile(steady_q, bounds, 0.99),
+                   "queue_mean_s": sum(steady_q) / len(steady_q)},
         "preemptions": {"vllm": reading.observation.preemptions_recompute,
                         "sim": sim["preemptions"]["recompute"] + sim["preemptions"]["swap"]},
-        "wall_s": time.monotonic() - t_all, "replay_s": time.monotonic() - t0,
+        "replay_s": raw.get("replay_s"),
     }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=240)
+    ap.add_argument("--rate", type=float, default=12.0, help="requests/s (Poisson)")
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=64, help="warm-up requests before the measured run")
+    ap.add_argument("--scrape-every", type=float, default=1.0,
+                    help="seconds between /metrics scrapes (shorter: more samples, each blurred more by where "
+                         "the scrape falls inside a step)")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="write the raw run (trace, client records, scraped /metrics texts) to DIR/run.json")
+    ap.add_argument("--replay", type=Path, default=None,
+                    help="re-evaluate the raw run kept in DIR/run.json (no vLLM; for working on the simulator)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    t_all = time.monotonic()
+    if args.replay:
+        raw = json.loads((args.replay / "run.json").read_text())
+    else:
+        raw = measure(args, Path(tempfile.mkdtemp(prefix="sim-vs-vllm-")))
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            (args.keep / "run.json").write_text(json.dumps(raw))
+    out = evaluate(raw)
+    out["wall_s"] = time.monotonic() - t_all
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"trace: {out['requests']} requests at {args.rate:g}/s; vLLM 0.32 CPU, max_num_seqs {args.max_num_seqs}, "
-          f"max_num_batched_tokens {args.max_num_batched_tokens}, {out['vllm_blocks']} blocks of {cfg.block_size}")
+    fit = out["fit"]
+    print(f"trace: {out['requests']} requests at {out['rate_per_s']:g}/s; vLLM 0.32 CPU, max_num_seqs "
+          f"{out['max_num_seqs']}, max_num_batched_tokens {out['max_num_batched_tokens']}, {out['vllm_blocks']} blocks "
+          f"of {out['vllm_block_size']}")
     if fit is not None:
-        print(f"step cost fitted from {len(samples)} scrape intervals: {1000 * fit.c0:.2f} ms + "
-              f"{1e6 * fit.c_tok:.1f} us/token (rel. RMSE {fit.rel_rmse:.0%})")
-    print(f"{'figure':<18}{'vLLM':>12}{'sim':>12}{'error':>9}")
-    for k, unit in (("throughput_tok_s", "tok/s"), ("queue_p50_s", "s"), ("queue_p99_s", "s"), ("queue_mean_s", "s")):
+        print(f"step cost fitted from {out['step_samples']} scrape intervals: {1000 * fit['c0_s']:.2f} ms + "
+              f"{1e6 * fit['per_token_s']:.1f} us/token (rel. RMSE {fit['rel_rmse']:.0%})")
+    print(f"{'figure':<18}{'vLLM':>12}{'sim':>12}{'error':>9}   {'steady':>9}")
+    for k in ("throughput_tok_s", "queue_p50_s", "queue_p99_s", "queue_mean_s"):
         v = out[k]
-        print(f"{k:<18}{v['vllm']:>12.3f}{v['sim']:>12.3f}{100 * v['error']:>8.1f}%")
+        print(f"{k:<18}{v['vllm']:>12.3f}{v['sim']:>12.3f}{100 * v['error']:>8.1f}%"
+              f"   {100 * err(out['steady'][k], v['vllm']):>8.1f}%")
     print(f"preemptions        {out['preemptions']['vllm']:>12}{out['preemptions']['sim']:>12}")
     print(f"took {out['wall_s']:.0f}s")
     return 0
