@@ -36,6 +36,18 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+
+def weights_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's weights on CPU: its parameters and the oneDNN-packed copies that replaced
+    some of them (`model.linear.Linear.packed` is no parameter; without it the KV cache is sized into
+    memory the weights hold)."""
+    seen = {id(t): t for t in model.parameters()}
+    for m in model.modules():
+        packed = getattr(m, "packed", None)
+        if isinstance(packed, torch.Tensor):
+            seen[id(packed)] = packed
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
 class ModelRunner:
     """Runner protocol implementation: `execute(batch) -> StepOutput`.
 
@@ -80,8 +92,7 @@ class ModelRunner:
         elif not cuda and cpu_paged.enabled():
             self.model.decode_fn = cpu_paged.paged_decode_cpu
 
-        weights = (torch.cuda.memory_allocated(self.device) - before) if cuda else sum(
-            p.numel() * p.element_size() for p in {id(p): p for p in self.model.parameters()}.values())
+        weights = (torch.cuda.memory_allocated(self.device) - before) if cuda else weights_bytes(self.model)
         per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize)
         activations = None
         if cuda:
