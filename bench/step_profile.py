@@ -7,7 +7,7 @@ is put in one bucket: attention (paged decode, prefill SDPA, KV writes), GEMMs, 
 sampling; the rest of the step's wall time is Python (batch flattening, scheduler, output processing).
 Detokenizing one token per sequence is timed on its own (the server's extra per-step work).
 
-    .venv/bin/python bench/step_profile.py [--running 256] [--steps 5] [--threads 2] [--reference]
+    .venv/bin/python bench/step_profile.py [--running 256] [--steps 5] [--threads 2] [--reference] [--top N]
 """
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def bucket(name: str) -> str:
     return "other_ops"
 
 
-def profile_step(eng) -> dict:
+def profile_step(eng, top: dict | None = None) -> dict:
+    """Bucketed self times of one step; ``top`` (if given) sums every op's self time by name."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         eng.step()
@@ -58,6 +59,8 @@ def profile_step(eng) -> dict:
         if e.key.startswith("ProfilerStep"):
             continue
         out[bucket(e.key)] += e.self_cpu_time_total / 1e6
+        if top is not None:
+            top[e.key] = top.get(e.key, 0.0) + e.self_cpu_time_total / 1e6
     ops = sum(out.values())
     out["python_and_engine"] = max(0.0, wall - ops)
     out["wall"] = wall
@@ -78,6 +81,7 @@ def main() -> int:
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--reference", action="store_true", help="force the PyTorch reference attention")
+    ap.add_argument("--top", type=int, default=0, help="also list the N ops with the most self time per step")
     a = ap.parse_args()
     if a.reference:
         os.environ["KVTUNE_CPU_ATTENTION"] = "reference"
@@ -101,7 +105,9 @@ def main() -> int:
         eng.step()
     for _ in range(3):
         eng.step()
-    dec = [profile_step(eng) for _ in range(a.steps)]
+    top_dec: dict = {}
+    top_mixed: dict = {}
+    dec = [profile_step(eng, top_dec) for _ in range(a.steps)]
     plain = [timed_step(eng) for _ in range(a.steps)]
     # a mixed step: 8 new prompts of 240 tokens (1920 prefill tokens) + the running decodes
     mixed = []
@@ -109,7 +115,7 @@ def main() -> int:
         for _ in range(8):
             eng.add_request([rng.randrange(10, 8192) for _ in range(240)],
                             SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-        mixed.append(profile_step(eng))
+        mixed.append(profile_step(eng, top_mixed))
         while len(eng.scheduler.running) > a.running:
             eng.step()
     tok = eng.tokenizer
@@ -132,6 +138,11 @@ def main() -> int:
     print(f"  decode step without the profiler: median {statistics.median(plain) * 1e3:.1f} ms")
     show("mixed step: 8 prompts x 240 tokens + decodes (profiled)", mixed)
     print(f"detokenize {a.running} tokens one by one: {detok * 1e3:.1f} ms")
+    for title, top, n in (("decode", top_dec, len(dec)), ("mixed", top_mixed, len(mixed))):
+        if a.top:
+            print(f"top ops, {title} step (self ms per step):")
+            for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:a.top]:
+                print(f"  {k:<44} {v / n * 1e3:8.1f}")
     if tmp is not None:
         tmp.cleanup()
     return 0
