@@ -164,3 +164,15 @@ def test_api_key(tiny_llama):  # noqa: F811
         # health, metrics and the admin API are not behind the key (probes and Prometheus)
         assert s.get_json("/health")["status"] == "ok"
         assert "kvtune_kv_usage_ratio" in s.get_text("/metrics")
+
+
+def test_streams_one_chunk_per_token_even_without_text(client, srv):
+    """A token whose text is held back (incomplete UTF-8, a possible stop string, an id the
+    tokenizer renders as nothing) still gets its chunk, as vLLM sends it: a client timing tokens by
+    chunks (every serving benchmark does) sees each step."""
+    kw = dict(model=srv.engine.model_name, max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True})
+    chunks = [c for c in client.completions.create(prompt=PROMPT, stop=["zzzz"], **kw) if c.choices]
+    assert len(chunks) == 24
+    chat = [c for c in client.chat.completions.create(messages=[{"role": "user", "content": "Say hi."}], **kw)
+            if c.choices and c.choices[0].delta.role is None]
+    assert len(chat) == 24

@@ -291,11 +291,11 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, con
                             yield P.sse(_failed(out).body())
                             break
                         text = out.delta_text
-                        if k not in started and (text or out.new_logprobs or out.finished):
+                        if k not in started and (out.new_token_ids or out.finished):
                             started.add(k)
                             text = jobs[k].echo + text
-                        if not (text or out.new_logprobs or out.finished):
-                            continue
+                        if not (out.new_token_ids or out.finished):  # one chunk per step with tokens,
+                            continue  # even when their text is held back: clients time tokens by chunks
                         chunk = {"id": rid, "object": "text_completion", "created": created, "model": model,
                                  "choices": [choice(k, text, out.new_logprobs, out.new_text_offsets, out)]}
                         if cont_usage:
@@ -373,8 +373,8 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, con
                         if out.finished and out.finish_reason == "error":
                             yield P.sse(_failed(out).body())
                             break
-                        if not (out.delta_text or out.new_logprobs or out.finished):
-                            continue
+                        if not (out.new_token_ids or out.finished):  # as for completions: a chunk
+                            continue  # per step with new tokens, its text possibly empty
                         if k not in started:  # the role goes out with the first token, not before
                             started.add(k)
                             yield P.sse(chunk(k, {"role": "assistant", "content": ""}, None))
