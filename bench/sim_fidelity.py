@@ -32,10 +32,14 @@ other processes taking the CPU) is 10-20% of the busy time on 2 cores (`fit.samp
 now adds it); and, for queue time, the engine's server stamping a request's arrival when the HTTP
 request arrives, not when the engine loop next takes it in (fixed in the engine); and the machine's speed
 over the run. With one fitted cost model the residual is not per-step noise that cancels: windows of
-2 s ran at 0.8-1.3x the fit within one run (seqs2-short: 0.81-0.95 for its first 6 s, 1.1-1.3 near its
-end), while other processes took part of the 2 cores (the "others' CPU" figure per case, from /proc);
-a slow stretch builds a queue that a simulator stepping at the fitted mean does not have, and a fast
-one the reverse, which moved the queue-time error by 10-40% either way from run to run. The fitted
+2 s ran at 0.84-1.24x the fit within one run (RMS 7-8% over ~65 windows a run, where a window's own
+noise from ~300 steps is ~2%; seqs2-short in one run: 0.81-0.95 for its first 6 s, 1.1-1.3 near its
+end). It follows nothing visible inside the machine: in two runs where other processes took 0.01
+cores on average (the "others' CPU" figure per case, from /proc), the window factors correlated with
+neither the arrivals per second, the client's CPU, the other processes' CPU nor the engine's own CPU
+(|r| <= 0.21 over 42 windows); the machine (a VM on a shared host) just runs faster and slower. A slow
+stretch builds a queue that a simulator stepping at the fitted mean does not have, and a fast one the
+reverse, which moved the queue-time error by 10-40% either way from run to run. The fitted
 profile now carries that speed, window by window, measured from the same step log
 (`fit.speed_timeline`, `Profile.speed`): the tuner replays a window on the machine as it was. What the
 step log says the machine did is an input; the queue times are not (they come from the histogram), so
