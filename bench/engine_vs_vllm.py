@@ -230,7 +230,10 @@ def pct(xs, p):
 
 async def measure(url: str, reqs, stream_n: int, concurrency: int) -> dict:
     timeout = aiohttp.ClientTimeout(total=3600)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as s:
+    # a fresh connection per request, for both servers: vLLM's keep-alive timer (5 s) closes idle pooled
+    # connections, and one reused just as it closes ends the run with "Server disconnected"
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as s:
         await asyncio.gather(*(one_plain(s, url, p[:64], 4) for p, _ in reqs[:4]))  # warm-up
         t0 = time.perf_counter()
         toks = await asyncio.gather(*(one_plain(s, url, p, o) for p, o in reqs))
