@@ -12,10 +12,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -e '.[engine,test]'
 	touch $@
 
-# The CPU paged-attention kernel is compiled on first use (cached by source and CPU): build it here,
+# The CPU kernels (paged attention, fused ops) are compiled on first use (cached by source and CPU): build them here,
 # not inside the first engine a timed test or the demo starts.
 setup: $(STAMP)
-	$(BIN)/python -c "from kvtune_engine.attention.cpu_paged import check; check()"
+	$(BIN)/python -c "from kvtune_engine.attention import cpu_paged; from kvtune_engine.model import ops; cpu_paged.check(); ops.check()"
 
 controlplane:
 	bash tests/controlplane/setup.sh

@@ -3,8 +3,8 @@
 Numerics follow `transformers` step for step (RMSNorm in float32 then cast, residual adds in the
 model dtype, rotate-half RoPE with cos/sin in float32 cast to the dtype), so logits match it on the
 same weights. Speed comes from fusing q/k/v and gate/up into one matmul each (on CPU on prepacked oneDNN weights,
-linear.py), computing the final norm and the LM head only for the rows that are sampled, and the
-paged attention in ../attention.
+linear.py), the elementwise steps into one pass each (ops.py), computing the final norm and the LM
+head only for the rows that are sampled, and the paged attention in ../attention.
 Input is flat: one row per token of the step, no batch or padding dimension.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 from ..attention import AttentionMetadata, paged_attention, write_kv
 from .config import ModelConfig, ModelLoadError, parse_dtype
 from .linear import Linear, packing_enabled
+from .ops import rms_norm, rope, silu_and_mul
 from .weights import Checkpoint
 
 
@@ -32,17 +33,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, d/2] (rotate-half layout: pairs are (i, i + d/2))."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class DecoderLayer(nn.Module):
@@ -68,18 +59,17 @@ class DecoderLayer(nn.Module):
         q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
         v = v.view(t, c.num_kv_heads, c.head_dim)
         if self.q_norm is not None:
-            q = apply_rope(self.q_norm(q.view(t, c.num_heads, c.head_dim)), cos, sin)
-            k = apply_rope(self.k_norm(k.view(t, c.num_kv_heads, c.head_dim)), cos, sin)
-        else:  # one RoPE over the q and k heads together (half the elementwise ops)
-            qk = apply_rope(qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+            q = rope(self.q_norm(q.view(t, c.num_heads, c.head_dim)), cos, sin)
+            k = rope(self.k_norm(k.view(t, c.num_kv_heads, c.head_dim)), cos, sin)
+        else:  # one RoPE over the q and k heads together, in place in qkv on the fused path
+            qk = rope(qkv[:, :c.q_size + c.kv_size].view(t, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
         kc, vc = kv_cache if kv_cache is not None else (None, None)
         if kc is not None and meta.slot_mapping is not None:
             write_kv(kc, vc, k, v, meta)
         o = paged_attention(q, k, v, kc, vc, meta, self.scale, decode_fn)
         h = self.o.add_to(h, o.view(t, c.q_size))
-        gate, up = self.gate_up(self.post_norm(h)).chunk(2, dim=-1)
-        return self.down.add_to(h, F.silu(gate).mul_(up))
+        return self.down.add_to(h, silu_and_mul(self.gate_up(self.post_norm(h))))
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, self.gate_up, self.down]
