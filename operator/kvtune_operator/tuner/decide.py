@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from kvtune_engine.config import RESTART_KNOBS, EngineConfig
-from kvtune_engine.knobs import TUNED_KNOBS
+from kvtune_engine.knobs import BY_NAME, TUNED_KNOBS
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,10 @@ def choose(current: EngineConfig, baseline: Mapping[str, Any],
     cfg, summ, score, changes, restart = pick
     d = Decision("change", "", current, cfg, changes=changes, restart=restart, predicted=summ,
                  baseline=baseline, considered=len(predictions), barred=barred)
-    d.reason = (f"predicted goodput {base_score.goodput:.3g} -> {score.goodput:.3g} req/s "
+    # the change itself first: the diagnosis' own suggestion (its message) may differ from the candidate
+    # the predictions chose
+    what = ", ".join(f"{BY_NAME[k].camel} {getattr(current, k)!r} -> {v!r}" for k, v in changes.items())
+    d.reason = (f"Changing {what}: predicted goodput {base_score.goodput:.3g} -> {score.goodput:.3g} req/s "
                 f"({d.predicted_gain:+.0%}), throughput {base_score.throughput:.4g} -> {score.throughput:.4g} tok/s"
                 + (f", recompute preemptions {-base_score.neg_recompute} -> {-score.neg_recompute}"
                    if score.neg_recompute != base_score.neg_recompute else "")
