@@ -52,3 +52,29 @@ def rollout_failure(pods: Iterable[dict[str, Any]], deployment: dict[str, Any] |
                 if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
                     return f"Deployment {deployment['metadata'].get('name')}: {cond.get('message') or 'ProgressDeadlineExceeded'}"
     return None
+
+
+def rollout_pending(deployment: dict[str, Any] | None, restart_hash: str | None) -> str | None:
+    """Why the rollout to ``restart_hash`` is not complete yet (as ``kubectl rollout status`` reads the
+    Deployment), or None once every replica runs that template and is available. Until then the pods
+    Prometheus scrapes may be the old template's, and only an engine that reports its own knobs (ours)
+    could tell; vLLM's metrics do not show max_num_seqs, so no window is judged before this is None."""
+    if not restart_hash:
+        return None
+    if not deployment:
+        return "the Deployment is not there yet"
+    meta, spec, st = deployment.get("metadata") or {}, deployment.get("spec") or {}, deployment.get("status") or {}
+    template = (spec.get("template") or {}).get("metadata") or {}
+    if (template.get("annotations") or {}).get(ANNOTATION_RESTART_HASH) != restart_hash:
+        return "the Deployment does not have the new pod template yet"
+    want = int(spec.get("replicas", 1) or 0)
+    if int(st.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
+        return "the Deployment controller has not seen the new pod template yet"
+    updated, total, available = (int(st.get(k) or 0) for k in ("updatedReplicas", "replicas", "availableReplicas"))
+    if updated < want:
+        return f"{updated} of {want} pods run the new template"
+    if total > updated:
+        return f"{total - updated} old pods are still running"
+    if available < want:
+        return f"{available} of {want} new pods are available"
+    return None

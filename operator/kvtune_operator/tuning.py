@@ -31,7 +31,7 @@ from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, Autotun
 from .prometheus import MetricsUnavailable, read_window
 from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
-from .rollout import rollout_failure
+from .rollout import rollout_failure, rollout_pending
 from .scaling import autoscaler_of, replica_target, replicas_needed
 from .tuner.candidates import Bounds
 from .tuner.decide import Decision, Objectives, knob_changes, window_figures
@@ -431,11 +431,15 @@ class TuningLoop:
         status, tuning = infd.status, infd.status.tuning
         pending = tuning.pending if tuning else None
         if pending is not None and pending.restart and plan.mode == AutotuneMode.APPLY:
+            deployment = self.reconciler.kube.get("apps/v1", "Deployment", namespace, name)
             failure = rollout_failure(self.reconciler.kube.list_pods(namespace, selector_string(name)),
-                                      self.reconciler.kube.get("apps/v1", "Deployment", namespace, name),
-                                      pending.restart_hash)
+                                      deployment, pending.restart_hash)
             if failure:
                 return roll_back_failed_rollout(infd.spec, status, plan, failure, now)
+            rolling = rollout_pending(deployment, pending.restart_hash)
+            if rolling:  # a window now could be the old pods' (vLLM's metrics do not tell its knobs)
+                tuning_now = tuning.dump() | {"phase": "Applying", "message": f"waiting for the rollout: {rolling}"}
+                return TickResult(status_update={"tuning": tuning_now})
         try:
             gathered = gather(plan, namespace, name, infd.spec, _since_last_change(status, now),
                               admin_key=engine_admin_key(self.reconciler.kube, namespace, name),

@@ -21,7 +21,7 @@ from kvtune_operator.effective import effective_engine, resolve_autotune
 from kvtune_operator.model import AutotuneMode, InferenceDeployment
 from kvtune_operator.reconcile import Reconciler
 from kvtune_operator.render import ANNOTATION_RESTART_HASH, restart_hash
-from kvtune_operator.rollout import rollout_failure
+from kvtune_operator.rollout import rollout_failure, rollout_pending
 from kvtune_operator.settings import Settings
 from kvtune_operator.tuner.decide import TunerState, config_key
 from kvtune_operator.tuner.loop import Tuner
@@ -208,3 +208,54 @@ def test_the_loop_rolls_back_a_crashing_rollout_before_reading_metrics_and_tries
     assert st["engine"]["gpuMemoryUtilization"] == 0.9 and "pending" not in st["tuning"]
     from kvtune_operator.conditions import get_condition
     assert get_condition(st["conditions"], "MetricsAvailable")["reason"] == "PrometheusUnreachable"
+
+
+def test_no_window_is_judged_while_a_restart_change_rolls_out():
+    """vLLM's metrics do not show the knobs a pod runs: until every replica runs the new template
+    (the Deployment's own rollout status), a window could be the old pods'. The loop waits, reads no
+    metrics, keeps the pending change; once the rollout is complete it reads the window."""
+    status, old, new = _pending_restart_status()
+    kube = FakeKube()
+    kube.add_infd({**SPEC, "engine": {**SPEC["engine"], "gpuMemoryUtilization": 0.9}}, name="chat")
+    o = kube.infd("chat")
+    o["spec"] = json.loads(json.dumps(SPEC_DOC))
+    o["status"] = status
+    status["tuning"]["triedAnnotation"] = "{}"
+    hsh = status["tuning"]["pending"]["restartHash"]
+    settings = Settings.from_env({"KVTUNE_PROMETHEUS_URL": "http://127.0.0.1:9"})  # nothing listens
+    loop = TuningLoop(Reconciler(kube, settings), settings, clock=lambda: 1_000_060.0)
+    memo: dict = {}
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
+    key = ("apps/v1", "Deployment", "llm", "chat")
+    dep = kube.objects[key]                         # the round's reconcile rendered it: the new template
+    assert dep["spec"]["template"]["metadata"]["annotations"][ANNOTATION_RESTART_HASH] == hsh
+    dep["metadata"]["generation"] = 2
+    dep["status"] = {"observedGeneration": 2, "replicas": 2, "updatedReplicas": 1, "availableReplicas": 1}
+    loop.clock = lambda: 1_000_200.0
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
+    st = kube.infd("chat")["status"]
+    assert st["tuning"]["phase"] == "Applying" and st["tuning"]["pending"]["restartHash"] == hsh
+    assert st["tuning"]["message"] == "waiting for the rollout: 1 old pods are still running", st["tuning"]
+    from kvtune_operator.conditions import get_condition
+    assert (get_condition(st.get("conditions") or [], "MetricsAvailable") or {}).get("reason") != "PrometheusUnreachable"
+    kube.objects[key]["status"] = {"observedGeneration": 2, "replicas": 1, "updatedReplicas": 1, "availableReplicas": 1}
+    loop.clock = lambda: 1_000_400.0
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
+    st = kube.infd("chat")["status"]
+    assert get_condition(st["conditions"], "MetricsAvailable")["reason"] == "PrometheusUnreachable"  # read now
+    assert st["tuning"]["pending"]["restartHash"] == hsh                  # still waiting for its verdict
+
+
+def test_rollout_pending_reads_the_deployment_as_kubectl_rollout_status_does():
+    def dep(hsh="new", gen=3, **st):
+        return {"metadata": {"name": "d", "generation": gen},
+                "spec": {"replicas": 2, "template": {"metadata": {"annotations": {ANNOTATION_RESTART_HASH: hsh}}}},
+                "status": {"observedGeneration": 3, "replicas": 2, "updatedReplicas": 2, "availableReplicas": 2} | st}
+    assert rollout_pending(dep(), "new") is None
+    assert rollout_pending(dep(), None) is None
+    assert "not there" in rollout_pending(None, "new")
+    assert "new pod template yet" in rollout_pending(dep(hsh="old"), "new")
+    assert "has not seen" in rollout_pending(dep(gen=4), "new")
+    assert rollout_pending(dep(updatedReplicas=1), "new") == "1 of 2 pods run the new template"
+    assert rollout_pending(dep(replicas=3), "new") == "1 old pods are still running"
+    assert rollout_pending(dep(availableReplicas=1), "new") == "1 of 2 new pods are available"
