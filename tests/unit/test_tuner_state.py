@@ -181,19 +181,26 @@ def test_a_failed_rollout_is_rolled_back_and_the_candidate_barred():
     assert after["tuning"]["lastChange"]["restart"] is True
 
 
-def test_the_loop_rolls_back_a_crashing_rollout_before_reading_metrics_and_tries_once():
-    status, old, new = _pending_restart_status()
+def _cluster_with_pending_restart(status: dict) -> tuple[FakeKube, TuningLoop]:
+    """A FakeKube holding "chat" with a pending restart change in its status, and a loop whose
+    Prometheus is unreachable (so a round that reads metrics says PrometheusUnreachable)."""
     kube = FakeKube()
     kube.add_infd({**SPEC, "engine": {**SPEC["engine"], "gpuMemoryUtilization": 0.9}}, name="chat")
     o = kube.infd("chat")
     o["spec"] = json.loads(json.dumps(SPEC_DOC))
     o["status"] = status
+    settings = Settings.from_env({"KVTUNE_PROMETHEUS_URL": "http://127.0.0.1:9"})  # nothing listens
+    return kube, TuningLoop(Reconciler(kube, settings), settings, clock=lambda: 1_000_060.0)
+
+
+def test_the_loop_rolls_back_a_crashing_rollout_before_reading_metrics_and_tries_once():
+    status, old, new = _pending_restart_status()
+    kube, loop = _cluster_with_pending_restart(status)
+    o = kube.infd("chat")
     o["metadata"]["annotations"] = {TRY_ANNOTATION: '{"gpuMemoryUtilization": 0.3}'}
     status["tuning"]["triedAnnotation"] = o["metadata"]["annotations"][TRY_ANNOTATION]
     kube.pods = [_pod("chat-new", restart_hash(new), restarts=2, waiting="CrashLoopBackOff",
                       message="kvtune serve: --gpu-memory-utilization 0.3 leaves no room for one KV block")]
-    settings = Settings.from_env({"KVTUNE_PROMETHEUS_URL": "http://127.0.0.1:9"})  # nothing listens
-    loop = TuningLoop(Reconciler(kube, settings), settings, clock=lambda: 1_000_060.0)
     memo: dict = {}                                          # kopf's per-object memo
     loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
     st = kube.infd("chat")["status"]
@@ -215,15 +222,8 @@ def test_no_window_is_judged_while_a_restart_change_rolls_out():
     (the Deployment's own rollout status), a window could be the old pods'. The loop waits, reads no
     metrics, keeps the pending change; once the rollout is complete it reads the window."""
     status, old, new = _pending_restart_status()
-    kube = FakeKube()
-    kube.add_infd({**SPEC, "engine": {**SPEC["engine"], "gpuMemoryUtilization": 0.9}}, name="chat")
-    o = kube.infd("chat")
-    o["spec"] = json.loads(json.dumps(SPEC_DOC))
-    o["status"] = status
-    status["tuning"]["triedAnnotation"] = "{}"
+    kube, loop = _cluster_with_pending_restart(status)
     hsh = status["tuning"]["pending"]["restartHash"]
-    settings = Settings.from_env({"KVTUNE_PROMETHEUS_URL": "http://127.0.0.1:9"})  # nothing listens
-    loop = TuningLoop(Reconciler(kube, settings), settings, clock=lambda: 1_000_060.0)
     memo: dict = {}
     loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
     key = ("apps/v1", "Deployment", "llm", "chat")
