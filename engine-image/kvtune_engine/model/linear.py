@@ -1,7 +1,7 @@
 """The model's matmuls: `x @ W.T (+ b)`, and the same added to a residual, on prepacked oneDNN weights on CPU.
 
-Why: on CPU, torch's `F.linear`/`addmm` repack the weight into the BLAS kernel's blocked layout on
-every call; oneDNN's linear on a weight reordered once at load time (`mkldnn._reorder_linear_weight`,
+Why: on CPU, torch's `F.linear`/`addmm` hand the plain row-major weight to a BLAS GEMM on every
+call; oneDNN's linear on a weight reordered once at load time into its own blocked layout (`mkldnn._reorder_linear_weight`,
 what torch.compile's CPU freezing does) runs the benchmark model's shapes at ~200-215 GFLOP/s against
 ~160-175 for `F.linear` (2 threads, fp32; bench/engine_vs_vllm.py prints both peaks), and folds the
 residual add into the same kernel. The packed copy replaces the dense weight (no memory is added), so
@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_PACKABLE = (torch.float32,)  # bf16 without AMX/avx512_bf16 is emulated by oneDNN: not faster
+_PACKABLE = (torch.float32,)  # the dtype measured (bench/step_profile.py); 16-bit types keep torch's path
 
 
 def packing_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
