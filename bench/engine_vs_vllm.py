@@ -29,14 +29,11 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 os.environ.setdefault("GOMP_SPINCOUNT", "0")  # for the GEMM peak in this process; see engine_vs_hf.py
@@ -46,7 +43,7 @@ import aiohttp  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.vllm.server import VllmNotInstalled, VllmServer, free_port, vllm_bin  # noqa: E402
+from tests.vllm.server import VllmNotInstalled, VllmServer, free_port, vllm_bin, wait_healthy  # noqa: E402
 
 MODEL = dict(arch="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, intermediate=1536)
 NAME = "bench"
@@ -147,19 +144,15 @@ class KvtuneServer:
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"kvtune serve exited with {self.proc.returncode}: see {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"kvtune serve not healthy after {timeout_s:.0f}s: see {self.log_path}")
+        try:
+            wait_healthy(self.proc, self.url, timeout_s, "kvtune serve", self.log_tail)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
     def stop(self):
         p, self.proc = self.proc, None

@@ -321,12 +321,12 @@ def evaluate(case: Case, run: dict[str, Any]) -> dict[str, Any]:
     }
     # the tuner's path: observation -> fitted profile -> simulate the engine's trace
     obs = Observation.from_metrics(figs, state=state, trace=etrace, window_s=t_end - t_first).with_engine_steps(steps)
-    profile, fit = fitted(obs, None)  # as the demo's tuner: no named profile, all from the window
+    profile, fit = fitted(obs, None, speed=True)  # no named profile, all from the window, with its speed
     cfg = EngineConfig.build(**run["flags"])
-    summary = simulate(as_trace(etrace), cfg, profile, per_request=True)
+    summary = simulate(as_trace(etrace, rebase=False), cfg, profile, per_request=True)
     queues = [r["queue_s"] for r in summary["per_request"]]
     # the same without the machine's speed over the window: what a steady machine would have done
-    steady = simulate(as_trace(etrace), cfg, fitted(obs, None, speed=False)[0], per_request=True)
+    steady = simulate(as_trace(etrace, rebase=False), cfg, fitted(obs, None, speed=False)[0], per_request=True)
     predicted = {
         "output_tokens_per_s": summary["output_tokens_per_s"],
         "queue_time_p50_s": bucket_median(queues),

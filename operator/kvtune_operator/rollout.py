@@ -64,9 +64,8 @@ def rollout_pending(deployment: dict[str, Any] | None, restart_hash: str | None)
     if not deployment:
         return "the Deployment is not there yet"
     meta, spec, st = deployment.get("metadata") or {}, deployment.get("spec") or {}, deployment.get("status") or {}
-    template = (spec.get("template") or {}).get("metadata") or {}
-    if (template.get("annotations") or {}).get(ANNOTATION_RESTART_HASH) != restart_hash:
-        return "the Deployment does not have the new pod template yet"
+    # (not matched on the template's restart hash: the Deployment is rendered from the status the change
+    # was written in, in the same round, so by the next round its generation is the change's)
     want = int(spec.get("replicas", 1) or 0)
     if int(st.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
         return "the Deployment controller has not seen the new pod template yet"

@@ -123,7 +123,7 @@ def test_speed_timeline_needs_times_and_keeps_an_idle_stretch_near_the_mean():
     assert speed_timeline([StepSample(0.01, 10)] * 10, fit) is None  # no times
 
 
-def test_fitted_profiles_carry_the_machine_speed_unless_asked_not_to():
+def test_fitted_profiles_carry_the_machine_speed_when_asked():
     from kvtune_engine.sim.profiles import PROFILES
     from kvtune_operator.tuner.fit import samples_from_engine_steps
     from kvtune_operator.tuner.observation import Observation
@@ -131,7 +131,7 @@ def test_fitted_profiles_carry_the_machine_speed_unless_asked_not_to():
     steps = _steps_on_a_machine(lambda t: 1.5 if t >= 5.0 else 1.0, n=2000)
     obs = Observation(config=EngineConfig(), step_samples=tuple(samples_from_engine_steps(steps)))
     base = PROFILES["a100-llama3-8b"]
-    prof, fit = fitted(obs, base)
+    prof, fit = fitted(obs, base, speed=True)
     assert fit is not None and prof.speed is not None and prof.speed.at(7.0) > 1.3 * prof.speed.at(1.0)
     assert fitted(obs, base, speed=False)[0].speed is None
     assert base.speed is None   # named profiles run steady

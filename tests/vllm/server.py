@@ -2,7 +2,7 @@
 
 Interface (stable; tests/ and bench/ rely on it)::
 
-    from tests.vllm.server import VllmServer, vllm_bin, VllmNotInstalled
+    from tests.vllm.server import VllmServer, vllm_bin, VllmNotInstalled, wait_healthy
     with VllmServer(model_dir, run_dir, kv_cache_gib=1.0,
                     args=["--max-num-seqs", "4", "--max-model-len", "1024"]) as srv:
         srv.url          # "http://127.0.0.1:PORT" (a free loopback port), /health already answered
@@ -33,7 +33,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,6 +59,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str,
+                 log_tail: Callable[[], str], interval_s: float = 0.5) -> None:
+    """Poll ``url``/health until it answers 200; RuntimeError (with the log's tail) if the process
+    exits first, TimeoutError after ``timeout_s``. Shared by the vLLM and kvtune servers of tests/bench."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before /health:\n{log_tail()}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(interval_s)
+    raise TimeoutError(f"{what} not healthy after {timeout_s:.0f}s:\n{log_tail()}")
 
 
 def vllm_env(run_dir: Path, kv_cache_gib: float, threads_bind: str = "0-1") -> dict[str, str]:
@@ -121,19 +139,12 @@ class VllmServer:
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, cwd=self.run_dir, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode} before /health:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        self.stop()
-        raise TimeoutError(f"vllm serve not healthy after {timeout_s:.0f}s:\n{self.log_tail()}")
+        try:
+            wait_healthy(self.proc, self.url, timeout_s, "vllm serve", self.log_tail)
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:

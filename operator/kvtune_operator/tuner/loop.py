@@ -279,7 +279,7 @@ def split_windows(trace: Sequence[TraceRequest], n: int) -> list[list[TraceReque
     for i in range(n):
         part = tr[i * size:(i + 1) * size] if i < n - 1 else tr[i * size:]
         if part:
-            out.append(as_trace(part, rebase=True))
+            out.append(as_trace(part))
     return out
 
 

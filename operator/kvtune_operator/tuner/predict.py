@@ -43,10 +43,10 @@ class RecordingProfile(Profile):
         return cls.model_validate(profile.model_dump())
 
 
-def as_trace(records: Iterable[Any], *, rebase: bool = False) -> list[TraceRequest]:
+def as_trace(records: Iterable[Any], *, rebase: bool = True) -> list[TraceRequest]:
     """Trace records (TraceRequest, or dicts in the JSONL format, e.g. the engine's /kvtune/v1/trace),
-    in arrival order, in the records' own clock (a fitted profile's speed timeline is in it too), or
-    ``rebase``d to start at 0."""
+    in arrival order, ``rebase``d to start at 0, or (``rebase=False``) in the records' own clock (the
+    one a fitted profile's speed timeline and a window's start are in)."""
     out = []
     for r in records:
         if isinstance(r, TraceRequest):
@@ -150,7 +150,7 @@ class Predictor:
         except ConfigError:
             return None
         self.runs += 1
-        s = simulate(as_trace(recs), cfg, self.profile, self.slo, per_request=True)
+        s = simulate(as_trace(recs, rebase=False), cfg, self.profile, self.slo, per_request=True)
         return window_summary(s["per_request"], window_start, self.slo)
 
     def predict_many(self, trace: Sequence[TraceRequest], cfgs: Iterable[EngineConfig]
@@ -164,7 +164,7 @@ class Predictor:
 
 
 def fitted(obs: Observation, base: Profile | None, *, min_samples: int = 50,
-           speed: bool = True) -> tuple[Profile, StepCostFit | None]:
+           speed: bool = False) -> tuple[Profile, StepCostFit | None]:
     """``profile_for`` with costs fitted from the observation's step samples when there are enough, and
     (``speed``) the machine's speed over the window from the same samples when they carry times."""
     fit = timeline = None
