@@ -43,7 +43,8 @@ import aiohttp  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.vllm.server import VllmNotInstalled, VllmServer, free_port, vllm_bin, wait_healthy  # noqa: E402
+from tests.vllm.server import (VllmNotInstalled, VllmServer, free_port, spawn_logged, vllm_bin,  # noqa: E402
+                               wait_healthy)
 
 MODEL = dict(arch="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, intermediate=1536)
 NAME = "bench"
@@ -140,10 +141,7 @@ class KvtuneServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 300.0):
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        self.proc = spawn_logged(self.argv, self.env, self.log_path)
         try:
             wait_healthy(self.proc, self.url, timeout_s, "kvtune serve", self.log_tail)
         except TimeoutError:

@@ -2,7 +2,7 @@
 
 Interface (stable; tests/ and bench/ rely on it)::
 
-    from tests.vllm.server import VllmServer, vllm_bin, VllmNotInstalled, wait_healthy
+    from tests.vllm.server import VllmServer, vllm_bin, VllmNotInstalled, spawn_logged, wait_healthy
     with VllmServer(model_dir, run_dir, kv_cache_gib=1.0,
                     args=["--max-num-seqs", "4", "--max-model-len", "1024"]) as srv:
         srv.url          # "http://127.0.0.1:PORT" (a free loopback port), /health already answered
@@ -59,6 +59,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_logged(argv: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
+    """A server process in its own session (its children go with it), stdout+stderr appended to log_path."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(list(argv), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, cwd=cwd, start_new_session=True)
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str,
@@ -135,10 +142,7 @@ class VllmServer:
 
     def start(self, timeout_s: float = 420.0) -> "VllmServer":
         """Start it and wait for /health (start-up is 40-80 s of torch.compile on two cores)."""
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, cwd=self.run_dir, start_new_session=True)
-        log.close()
+        self.proc = spawn_logged(self.argv, self.env, self.log_path, cwd=self.run_dir)
         try:
             wait_healthy(self.proc, self.url, timeout_s, "vllm serve", self.log_tail)
         except TimeoutError:
