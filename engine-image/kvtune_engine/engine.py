@@ -214,10 +214,14 @@ class LLMEngine:
             return changed
 
     # ---------------------------------------------------------------- reading
-    def trace(self, since_s: float | None = None, limit: int | None = None) -> dict[str, Any]:
-        """Recent request shapes (finished requests, arrival order), in ``kvtune sim``'s trace format."""
+    def trace(self, since_s: float | None = None, limit: int | None = None, *,
+              unfinished: bool = False) -> dict[str, Any]:
+        """Recent request shapes (finished requests, arrival order), in ``kvtune sim``'s trace format;
+        ``unfinished``: also the requests still in the engine (``OutputProcessor.in_flight``)."""
         with self.lock:
             view = self.recorder.view(since_s, limit)
+            if unfinished:
+                view["unfinished"] = self.outputs.in_flight(since_s)
         return {"start_unix_s": self.start_unix_s, "now_s": round(self.clock() - self.start_s, 6), **view}
 
     def steps(self, limit: int | None = None) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
 from .rollout import rollout_failure, rollout_pending
 from .scaling import autoscaler_of, replica_target, replicas_needed
+from .tuner.backlog import WindowTrace
 from .tuner.candidates import Bounds
 from .tuner.decide import Decision, Objectives, knob_changes, window_figures
 from .tuner.loop import Round, TunerSettings, measured_figures, tune_round
@@ -117,20 +118,21 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
                     w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s,
                                     new_instances=[inst])
                 since = max(0.0, uptime - window)
-                recent = http.get(f"{url}/kvtune/v1/trace", params={"since_s": max(0.0, since - window),
-                                                                    "limit": 10000}) \
-                    .raise_for_status().json().get("requests", [])
-                lead = [r for r in recent if float(r.get("arrival_s", 0.0)) < since]
-                trace = [r for r in recent if float(r.get("arrival_s", 0.0)) >= since]
+                # the replays run the requests still queued or running too (``backlog``); the
+                # window's own figures only the finished ones, as the engine's histograms do
+                wt = WindowTrace.split(http.get(f"{url}/kvtune/v1/trace", params={
+                    "since_s": max(0.0, since - window), "limit": 10000, "unfinished": "true"})
+                    .raise_for_status().json(), since)
                 steps = http.get(f"{url}/kvtune/v1/steps", params={"limit": 2000}).raise_for_status().json()
         except (httpx.HTTPError, ValueError) as e:
             errors.append(f"{url}: {e}")
             continue
         objectives = tuner_settings(spec, plan).objectives
-        obs = Observation.from_metrics(w.figures, state=state, trace=trace, window_s=window,
+        obs = Observation.from_metrics(w.figures, state=state, trace=wt.finished, window_s=window,
                                        slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s)
         # the step log gives the cost fit one sample per step (the histograms only their means)
-        return Gathered(obs.with_engine_steps(steps.get("steps", [])), trace, window, lead=lead, window_start=since)
+        return Gathered(obs.with_engine_steps(steps.get("steps", [])), wt.trace, window, lead=wt.lead,
+                        window_start=since)
     if young:
         raise MetricsUnavailable("WindowTooShort", f"the engine started less than {MIN_WINDOW_S:.0f}s ago "
                                  f"({'; '.join(young)}); waiting for metrics from it")

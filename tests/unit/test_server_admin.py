@@ -64,6 +64,37 @@ def test_state_head_while_blocked(tiny_llama):  # noqa: F811
         assert st["waiting_reason_steps"]["max_num_seqs"] > 0
 
 
+def test_trace_unfinished_lists_the_requests_still_in_the_engine(tiny_llama):  # noqa: F811
+    # one sequence at a time: while the first runs, the second waits; the tuner's replays need both
+    # (the finished requests alone are a queue's survivors)
+    with run_server(tiny_llama, max_num_seqs=1) as s:
+        async def go():
+            async with httpx.AsyncClient(timeout=60) as c:
+                body = {"prompt": [5, 6, 7, 8], "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+                tasks = [asyncio.create_task(c.post(s.url + "/v1/completions", json=body)) for _ in range(2)]
+                seen = None
+                for _ in range(400):
+                    t = (await c.get(s.url + "/kvtune/v1/trace", params={"unfinished": "true"})).json()
+                    live = t["unfinished"]
+                    if len(live) == 2 and live[0]["generated_tokens"] > 0:
+                        seen = t
+                        break
+                    await asyncio.sleep(0.01)
+                await asyncio.gather(*tasks)
+                after = (await c.get(s.url + "/kvtune/v1/trace", params={"unfinished": "true"})).json()
+                plain = (await c.get(s.url + "/kvtune/v1/trace")).json()
+                return seen, after, plain
+        seen, after, plain = asyncio.run(go())
+    assert seen is not None, "never saw one request running and one waiting"
+    running, waiting = seen["unfinished"]
+    assert 0 < running["generated_tokens"] < 300 and waiting["generated_tokens"] == 0
+    assert running["max_tokens"] == waiting["max_tokens"] == 300
+    assert running["prompt_tokens"] == waiting["prompt_tokens"] == 4
+    assert "output_tokens" not in running and running["arrival_s"] <= waiting["arrival_s"]
+    assert after["unfinished"] == [] and [r["output_tokens"] for r in after["requests"][-2:]] == [300, 300]
+    assert "unfinished" not in plain
+
+
 def test_trace_shapes_never_text(srv):
     before = srv.get_json("/kvtune/v1/trace")["recorded_total"]
     shared = "You are a helpful assistant. " * 6

@@ -440,10 +440,10 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, con
         return _jsonable(snap)
 
     @app.get("/kvtune/v1/trace")
-    def trace(since_s: float | None = None, limit: int | None = None, format: str = "json"):
+    def trace(since_s: float | None = None, limit: int | None = None, format: str = "json", unfinished: bool = False):
         if format not in ("json", "jsonl"):
             return _err(P.HTTPError(400, f"format: json or jsonl, got {format!r:.40}", param="format"))
-        t = engine.trace(since_s=since_s, limit=limit)
+        t = engine.trace(since_s=since_s, limit=limit, unfinished=unfinished and format == "json")
         if format == "jsonl":
             return PlainTextResponse("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in t["requests"]),
                                      media_type="application/x-ndjson")

@@ -20,6 +20,7 @@ import httpx
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.sim.scenarios import mix
 
+from ..tuner.backlog import WindowTrace
 from ..tuner.candidates import Bounds, Range
 from ..tuner.decide import Objectives, knob_changes, window_figures
 from ..tuner.loop import Round, Tuner, TunerSettings
@@ -136,15 +137,13 @@ class Demo:
         with httpx.Client(timeout=10) as http:
             state = http.get(f"{url}/kvtune/v1/state").json()
             start = max(0.0, state["uptime_s"] - self.window_s)
-            recent = http.get(f"{url}/kvtune/v1/trace",
-                              params={"since_s": max(0.0, start - self.window_s)}).json()["requests"]
+            wt = WindowTrace.split(http.get(f"{url}/kvtune/v1/trace", params={
+                "since_s": max(0.0, start - self.window_s), "unfinished": "true"}).json(), start)
             steps = http.get(f"{url}/kvtune/v1/steps", params={"limit": 4000}).json()["steps"]
-        lead = [r for r in recent if r["arrival_s"] < start]
-        trace = [r for r in recent if r["arrival_s"] >= start]
         s = settings().objectives
-        obs = Observation.from_metrics(self.monitor.window(since), state=state, trace=trace,
+        obs = Observation.from_metrics(self.monitor.window(since), state=state, trace=wt.finished,
                                        window_s=self.now() - since, slo_ttft_s=s.slo_ttft_s, slo_tpot_s=s.slo_tpot_s)
-        return obs.with_engine_steps(steps), trace, lead, start
+        return obs.with_engine_steps(steps), wt.trace, wt.lead, start
 
     def wait_window(self) -> float:
         start = self.now()

@@ -11,6 +11,7 @@ server).
     memory       Safety, MemoryPicture: the measured device memory and what a candidate would get
     candidates   Bounds, propose(), combine(), restart_lookahead(): every candidate the tuner predicts
     fit          fit_step_cost(): the simulator's step-cost model from the engine's step timings
+    backlog      the requests still in the engine as trace records (estimated output lengths)
     predict      Predictor (simulator replays), profile_for()/fitted() (the engine's own profile)
     decide       Objectives, Score, choose(), TunerState (verify / roll back / remember bad candidates)
     loop         Tuner.round() (observe -> verify -> diagnose -> candidates -> predict -> decide),

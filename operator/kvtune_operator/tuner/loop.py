@@ -101,17 +101,20 @@ class Tuner:
         st.forget_expired(now)
         verdict = None
         cfg = obs.config
-        tr = as_trace(trace)
+        # with the trace before the window (``lead``, in the records' clock, up to ``window_start``)
+        # every replay runs the window with the backlog it inherited (``Predictor``)
+        windowed = bool(lead) and window_start is not None
+        tr = as_trace(trace, rebase=not windowed)
+
+        def predictor(profile: Profile) -> Predictor:
+            return Predictor.for_window(profile, s.slo, lead, window_start) if windowed \
+                else Predictor(profile, s.slo)
         profile = fit = None
         if st.phase == "Verifying":
             counterfactual = None
             if tr and st.pending is not None:
                 profile, fit = fitted(obs, self.base_profile)
-                before = EngineConfig.model_validate(st.pending.before)
-                # the old config on this window, with the backlog the window inherited when the
-                # trace before it is known (``lead``, in the records' clock, up to ``window_start``)
-                old = Predictor(profile, s.slo).predict_window(lead, trace, before, window_start) \
-                    if lead and window_start is not None else Predictor(profile, s.slo).predict(tr, before)
+                old = predictor(profile).predict(tr, EngineConfig.model_validate(st.pending.before))
                 counterfactual = window_figures(old) if old is not None else None
             verdict, nxt = st.verify(measured_figures(obs), now, s.objectives, counterfactual)
             if not verdict.keep:
@@ -128,7 +131,7 @@ class Tuner:
             return Round(now, obs, diag, cfg, verdict=verdict, note="no trace: nothing to predict with")
         if profile is None:
             profile, fit = fitted(obs, self.base_profile)
-        pred = Predictor(profile, s.slo)
+        pred = predictor(profile)
         baseline = pred.predict(tr, cfg)
         if baseline is None:
             return Round(now, obs, diag, cfg, verdict=verdict, fit=fit,
@@ -154,7 +157,7 @@ class Tuner:
         out = Round(now, obs, diag, cfg, verdict=verdict, decision=decision, fit=fit, predictions=pred.runs)
         if diag.cause == "ComputeBound" and decision.action != "change":
             # no knob helps one saturated engine: how many engines would meet the objectives
-            out.replicas = predict_replicas(tr, cfg, profile, s.slo, target_share=s.healthy_goodput_share,
+            out.replicas = predict_replicas(as_trace(trace), cfg, profile, s.slo, target_share=s.healthy_goodput_share,
                                             max_replicas=s.max_replicas)
         if decision.action == "change" and apply:
             st.begin(decision, measured_figures(obs), now)

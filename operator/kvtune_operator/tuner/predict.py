@@ -111,16 +111,30 @@ def profile_for(obs: Observation | None, base: Profile | None = None, fit: StepC
 
 @dataclass
 class Predictor:
-    """Simulator runs of one trace under candidate configs, cached by config."""
+    """Simulator runs of one trace under candidate configs, cached by config.
+
+    With a ``window_start`` the trace is a window of the engine's (in the records' own clock, not
+    rebased) and ``lead`` the requests that arrived before it: each replay runs the lead first and its
+    figures count only the requests that finish inside the window, as the engine's histograms do
+    (``window_summary``). Without the lead a replay starts the window with an empty engine, while the
+    real one started it with the queue built before it: under a deep queue the window's own arrivals
+    (the rate the engine served) are no load at all, and no candidate looks better than the current
+    config."""
     profile: Profile
     slo: SLO = field(default_factory=SLO)
+    lead: Sequence[TraceRequest] = ()
+    window_start: float | None = None
     runs: int = 0
     _cache: dict[str, Mapping[str, Any] | None] = field(default_factory=dict, repr=False)
     _trace_id: int | None = field(default=None, repr=False)
 
+    @classmethod
+    def for_window(cls, profile: Profile, slo: SLO, lead: Sequence[Any], window_start: float) -> "Predictor":
+        return cls(profile, slo, as_trace(lead, rebase=False), window_start)
+
     def predict(self, trace: Sequence[TraceRequest], cfg: EngineConfig) -> Mapping[str, Any] | None:
         """The simulator summary, or None when the config does not fit the device (no KV block fits,
-        swap beyond host memory)."""
+        swap beyond host memory) or nothing is left to replay."""
         if self._trace_id != id(trace):
             self._cache.clear()
             self._trace_id = id(trace)
@@ -132,26 +146,21 @@ class Predictor:
                 self._cache[key] = None
                 return None
             self.runs += 1
-            self._cache[key] = simulate(list(trace), cfg, self.profile, self.slo)
+            if self.window_start is None:
+                self._cache[key] = simulate(list(trace), cfg, self.profile, self.slo)
+            elif not trace and not self.lead:
+                self._cache[key] = None
+            else:
+                full = simulate([*self.lead, *trace], cfg, self.profile, self.slo, per_request=True)
+                self._cache[key] = window_summary(full, self.window_start, self.slo)
         return self._cache[key]
 
     def predict_window(self, lead: Sequence[Any], window: Sequence[Any], cfg: EngineConfig,
                        window_start: float) -> Mapping[str, Any] | None:
-        """``cfg`` replayed on the window *with the backlog it inherited*: the requests of ``lead``
-        (arrived before ``window_start``, in the records' own clock) run first, and the figures count
-        only the requests that finish inside the window, as the engine's histograms do. Without the
-        lead, a replay starts the window with an empty engine, while the real one may still be
-        draining the queue built before it (after a change that made it faster, say)."""
-        recs = [r for r in (*lead, *window) if _field(r, "output_tokens")]
-        if not recs:
-            return None
-        try:
-            self.profile.kv_cache_size(cfg)
-        except ConfigError:
-            return None
-        self.runs += 1
-        s = simulate(as_trace(recs, rebase=False), cfg, self.profile, self.slo, per_request=True)
-        return window_summary(s["per_request"], window_start, self.slo)
+        """``cfg`` replayed on the ``window`` records with the backlog ``lead`` it inherited (see the
+        class docstring), without this predictor's cache."""
+        p = Predictor.for_window(self.profile, self.slo, lead, window_start)
+        return p.predict(as_trace(window, rebase=False), cfg)
 
     def predict_many(self, trace: Sequence[TraceRequest], cfgs: Iterable[EngineConfig]
                      ) -> list[tuple[EngineConfig, Mapping[str, Any]]]:
@@ -181,21 +190,30 @@ def _field(r: Any, name: str) -> Any:
     return getattr(r, name) if isinstance(r, TraceRequest) else dict(r).get(name)
 
 
-def window_summary(rows: Sequence[Mapping[str, Any]], start: float, slo: SLO) -> dict[str, Any]:
-    """The figures of the requests (simulate's ``per_request`` rows) that finished at or after
-    ``start``: goodput, throughput and queue-time percentiles over the window, per second of it
-    (what a verdict compares; preemptions are not attributed to a window here)."""
+def window_summary(full: Mapping[str, Any], start: float, slo: SLO) -> dict[str, Any]:
+    """A replay's summary (``simulate(..., per_request=True)``) over the requests that finished at or
+    after ``start``: goodput, throughput and the latency percentiles over the window, per second of
+    it (what a verdict compares, and what a window's candidates are scored on). The memory and queue
+    figures stay the whole replay's; its preemptions count pro rata of the window's share of its time."""
+    rows = full["per_request"]
     done = [r for r in rows if r["arrival_s"] + r["e2e_s"] >= start]
     end = max((r["arrival_s"] + r["e2e_s"] for r in done), default=start)
     dur = max(end - start, 1e-9)
+    first = min((r["arrival_s"] for r in rows), default=start)
+    share = min(1.0, dur / max(end - first, 1e-9))
 
-    def good(r: Mapping[str, Any]) -> bool:
+    def tpot(r: Mapping[str, Any]) -> float | None:
         n = r["output_tokens"]
-        tpot = (r["e2e_s"] - r["ttft_s"]) / (n - 1) if n > 1 else None
-        return slo.met(r["ttft_s"], tpot)
+        return (r["e2e_s"] - r["ttft_s"]) / (n - 1) if n > 1 else None
 
-    queue = sorted(r["queue_s"] for r in done)
-    return {"goodput_requests_per_s": sum(good(r) for r in done) / dur,
-            "output_tokens_per_s": sum(r["output_tokens"] for r in done) / dur,
-            "requests_per_s": len(done) / dur, "duration_s": dur,
-            "queue_time_p95_s": percentile(queue, 0.95) or 0.0, "queue_time_p99_s": percentile(queue, 0.99) or 0.0}
+    out = {k: v for k, v in full.items() if k != "per_request"}
+    figs = {"ttft": sorted(r["ttft_s"] for r in done), "queue_time": sorted(r["queue_s"] for r in done),
+            "tpot": sorted(t for t in map(tpot, done) if t is not None)}
+    out.update({f"{name}_p{round(q * 100)}_s": percentile(v, q) for name, v in figs.items() for q in (0.5, 0.95, 0.99)})
+    out.update(goodput_requests_per_s=sum(slo.met(r["ttft_s"], tpot(r)) for r in done) / dur,
+               output_tokens_per_s=sum(r["output_tokens"] for r in done) / dur,
+               requests_per_s=len(done) / dur, duration_s=dur, requests_finished=len(done),
+               preemptions={k: round(v * share) for k, v in (full.get("preemptions") or {}).items()})
+    out["queue_time_p95_s"] = out["queue_time_p95_s"] or 0.0
+    out["queue_time_p99_s"] = out["queue_time_p99_s"] or 0.0
+    return out
