@@ -33,7 +33,7 @@ def gauge_samples(series: list[dict[str, Any]]) -> list[GaugeSample]:
         inst = m.get("instance", "")
         per.setdefault(inst, {}).setdefault(name, {}).update({float(t): float(v) for t, v in s["values"]})
     out: list[GaugeSample] = []
-    for by in per.values():
+    for inst, by in per.items():
         running = by.get("vllm:num_requests_running", {})
         waiting = by.get("vllm:num_requests_waiting_by_reason") or by.get("vllm:num_requests_waiting", {})
         usage = by.get("vllm:kv_cache_usage_perc", {})
@@ -42,7 +42,8 @@ def gauge_samples(series: list[dict[str, Any]]) -> list[GaugeSample]:
         for t in sorted(running):
             p = pre.get(t)
             out.append(GaugeSample(running=running[t], waiting=waiting.get(t, 0.0), kv_usage=usage.get(t, 0.0),
-                                   preempted=max(0.0, p - prev) if p is not None and prev is not None else 0.0))
+                                   preempted=max(0.0, p - prev) if p is not None and prev is not None else 0.0,
+                                   replica=inst))
             prev = p if p is not None else prev
     return out
 
@@ -60,7 +61,7 @@ def step_samples(series: list[dict[str, Any]]) -> list[StepSample]:
             per.setdefault(m.get("instance", ""), {}).setdefault(name, {}).update(
                 {float(t): float(v) for t, v in s["values"]})
     out: list[StepSample] = []
-    for by in per.values():
+    for inst, by in per.items():
         cnt, tok = by.get("vllm:iteration_tokens_total_count", {}), by.get("vllm:iteration_tokens_total_sum", {})
         run = by.get("vllm:num_requests_running", {})
         ts = sorted(t for t in cnt if t in tok)
@@ -71,28 +72,41 @@ def step_samples(series: list[dict[str, Any]]) -> list[StepSample]:
     return out
 
 
-def _start_times(series: list[dict[str, Any]]) -> dict[str, float]:
-    return {s["metric"].get("instance", ""): float(s["values"][-1][1]) for s in series
-            if s["metric"].get("__name__") == "process_start_time_seconds" and s.get("values")}
-
-
+def _engines_changed(series: list[dict[str, Any]], window: float, now: float) -> tuple[float | None, list[str]]:
+    """(when, engines new since): the last change inside the window of the vLLM engines Prometheus
+    scrapes, as a new engine's first scrape (it serves from then on: vLLM answers /metrics once ready,
+    a minute or more after its process started) or a gone engine's last (the old pods of a rollout);
+    None when the same engines were scraped all along. No earlier window is the running engines'."""
+    spans: dict[str, tuple[float, float]] = {}
+    gaps: list[float] = []
+    for s in series:
+        if s["metric"].get("__name__") == "vllm:num_requests_running" and s.get("values"):
+            ts = [float(t) for t, _ in s["values"]]
+            gaps += [b - a for a, b in zip(ts, ts[1:]) if b > a]
+            a, b = spans.get(s["metric"].get("instance", ""), (ts[0], ts[-1]))
+            spans[s["metric"].get("instance", "")] = (min(a, ts[0]), max(b, ts[-1]))
+    if not gaps:
+        return None, []
+    slack = 2 * sorted(gaps)[len(gaps) // 2]  # two scrape intervals
+    marks = [a for a, _ in spans.values() if a > now - window + slack] + [b for _, b in spans.values() if b < now - slack]
+    if not marks:
+        return None, []
+    at = max(marks)
+    return at, sorted(i for i, (a, b) in spans.items() if a >= at - slack and b >= now - slack)
 def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, window: float, *,
                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = 10.0,
                 min_window_s: float = 10.0, now: float | None = None):
     """(Observation, synthesized trace, window) of the vLLM pods of one InferenceDeployment."""
     w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s, runtime="vllm")
     now = time.time() if now is None else now
-    starts = _start_times(w.series or [])
-    if starts:
-        inst, start = max(starts.items(), key=lambda kv: kv[1])
-        uptime = now - start
-        if uptime < min_window_s:
-            raise MetricsUnavailable("WindowTooShort", f"the vLLM engine {inst} started {uptime:.0f}s ago; "
-                                     "waiting for metrics from it")
-        if uptime < window:  # a restart inside the window: judge the new engine's own window
-            window = uptime
-            w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s,
-                            new_instances=[inst], runtime="vllm")
+    at, new = _engines_changed(w.series or [], window, now)
+    if at is not None and now - at < window:  # a rollout inside the window: judge only the engines after it
+        window = now - at
+        if window < min_window_s:
+            raise MetricsUnavailable("WindowTooShort", f"the vLLM engines changed {window:.0f}s ago "
+                                     f"({', '.join(new) or 'an engine left'}); waiting for metrics from them")
+        w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s,
+                        new_instances=new, runtime="vllm")
     assume = VllmAssumptions(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                              max_model_len=config.max_model_len, given_by="the pods' command line")
     reading = read_vllm(w.figures, gauge_samples(w.series or []), window_s=window, assume=assume,

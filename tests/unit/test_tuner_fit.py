@@ -11,6 +11,25 @@ from kvtune_operator.tuner.fit import fit_step_cost
 from kvtune_operator.tuner.observation import StepSample
 
 
+def test_one_stall_does_not_make_every_step_expensive():
+    # ~1,100 steps of a small engine (9 ms decodes of 2 sequences, 32-token prefills) and one step
+    # that took 28 s (the process held up): the fit is the steps' cost, not the stall's
+    r = random.Random(3)
+    samples = [StepSample(28.5, 32, 0)]
+    for i in range(1100):
+        tok = 33 if i % 16 == 0 else 2
+        samples.append(StepSample((0.0088 + 6e-5 * tok) * (1 + r.gauss(0, 0.05)), tok, r.randint(60, 120)))
+    f = fit_step_cost(samples)
+    assert f is not None and f.samples == 1100
+    assert f.predict(2) == pytest.approx(0.0089, rel=0.1) and f.predict(33) == pytest.approx(0.0108, rel=0.1)
+    assert f.rel_rmse < 0.2
+    # a real cost stays: prefills twice as slow as the model's shape are fitted, not dropped
+    slow = [StepSample(0.02 if s.batched_tokens == 33 else s.duration_s, s.batched_tokens, s.context_tokens)
+            for s in samples[1:]]
+    g = fit_step_cost(slow)
+    assert g.samples == 1100 and g.predict(33) == pytest.approx(0.02, rel=0.1)
+
+
 def test_fit_recovers_the_step_cost_from_noisy_steps():
     r = random.Random(7)
     true = (0.004, 2e-6, 3e-8)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from kvtune_operator.tuner.observation import MetricFigures
 from kvtune_operator.tuner.synth_trace import synthesize_trace
-from kvtune_operator.tuner.vllm_observation import (GaugeSample, VllmAssumptions, classify, is_vllm, read_vllm,
+from kvtune_operator.tuner.vllm_observation import (GaugeSample, VllmAssumptions, classify, in_system, is_vllm, read_vllm,
                                                     samples_of_scrapes)
 
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "vllm-0.32-cpu-metrics.txt"
@@ -57,3 +57,22 @@ def test_synthesized_trace_follows_the_histograms():
     assert all(10 < r["output_tokens"] <= 100 for r in tr)
     assert 25 <= tr[-1]["arrival_s"] <= 80      # 2 requests/s over a 50 s window
     assert synthesize_trace(f, 50.0, seed=1) == tr
+
+
+def test_synthesized_trace_keeps_the_queue_the_window_inherited():
+    # 100 finished in 50 s while 40 requests were in the engine at the start and 60 at the end: the
+    # window saw 120 arrivals, and the 40 of the start were already there (the histograms count
+    # finished requests only, which under a deep queue arrive at the rate the engine served)
+    f = MetricFigures()
+    for le, c in ((100, 0), (200, 100), (float("inf"), 100)):
+        f.set("vllm:request_prompt_tokens_bucket", c, le=str(le))
+        f.set("vllm:request_generation_tokens_bucket", c, le=str(le))
+    f.set("vllm:request_prompt_tokens_count", 100)
+    f.set("vllm:request_prompt_tokens_sum", 100 * 150)
+    tr = synthesize_trace(f, 50.0, seed=1, in_system=(40.0, 60.0))
+    backlog = [r for r in tr if r.get("backlog")]
+    assert len(backlog) == 40 and all(r["arrival_s"] == 0.0 for r in backlog)
+    assert len(tr) == 40 + 120 and 30 <= tr[-1]["arrival_s"] <= 70
+    samples = [GaugeSample(2, 38, 0.1, replica="a"), GaugeSample(2, 0, 0.1, replica="b"),
+               GaugeSample(2, 50, 0.1, replica="a"), GaugeSample(2, 6, 0.1, replica="b")]
+    assert in_system(samples) == (42.0, 60.0)

@@ -24,7 +24,7 @@ from ..attention import AttentionMetadata, PrefillChunk, cpu_paged, flashinfer_d
 from ..config import EngineConfig
 from ..core.batch import Batch, ScheduledSeq, SeqStep, Step, StepOutput
 from ..kv.sizing import KVCacheSize, kv_bytes_per_token, kv_cache_size
-from ..model import CausalLM, ModelLoadError, load_model
+from ..model import CausalLM, ModelLoadError, load_model, ops
 from .sampler import Sampler
 
 log = logging.getLogger("kvtune.runner")
@@ -91,6 +91,10 @@ class ModelRunner:
             self.model.decode_fn = triton_decode.paged_decode_triton
         elif not cuda and cpu_paged.enabled():
             self.model.decode_fn = cpu_paged.paged_decode_cpu
+        if not cuda:
+            # build or load the fused ops now, not in the first request's step (a cold build is
+            # 30-60 s: the engine is not ready before it, and no step's timing carries it)
+            ops.fused_module()
 
         weights = (torch.cuda.memory_allocated(self.device) - before) if cuda else weights_bytes(self.model)
         per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize)

@@ -82,9 +82,20 @@ def _knees(max_tokens: float) -> list[float]:
     return ks
 
 
+#: a step this many times longer than the fit charges it is a stall, not a cost of its shape
+STALL_FACTOR = 5.0
+#: at most this share of the samples is left out as stalls
+MAX_STALL_SHARE = 0.01
+
+
 def fit_step_cost(samples: Iterable[StepSample], *, knee: bool = True, swap_bandwidth: float | None = None,
                   min_samples: int = 3, max_rows: int = 3000) -> StepCostFit | None:
-    """Weighted non-negative least squares of step duration (see the module docstring).
+    """Weighted non-negative least squares of step duration (see the module docstring), robust to
+    stalls: a step that took ``STALL_FACTOR`` times what the fit charges (the process descheduled, a
+    first call's lazy set-up, a page-fault storm: seconds on a step that costs milliseconds) says
+    nothing about the cost of its shape, and one of them in a window of small steps dominates the
+    squared error (one 28 s step among 1,100 of 9 ms fitted 12 ms per token). So the fit is redone
+    without the longest such steps, at most ``MAX_STALL_SHARE`` of the samples, until none is left.
 
     Returns None when there are fewer than ``min_samples`` usable samples or nothing is identifiable.
     """
@@ -97,6 +108,23 @@ def fit_step_cost(samples: Iterable[StepSample], *, knee: bool = True, swap_band
     if knee and any(s.weight != 1 for s in rows):
         knee = False
     bw = swap_bandwidth if swap_bandwidth and swap_bandwidth > 0 else None
+    budget = int(MAX_STALL_SHARE * len(rows))
+    fit = _wnnls(rows, knee, bw)
+    while fit is not None and budget > 0:
+        over = sorted(((s.duration_s - (s.swapped_bytes / bw if bw else 0.0))
+                       / max(fit.predict(s.batched_tokens, s.context_tokens, s.prefill_pairs), 1e-12), i)
+                      for i, s in enumerate(rows))
+        stalls = {i for r, i in over[-budget:] if r > STALL_FACTOR}
+        if not stalls:
+            break
+        budget -= len(stalls)
+        rows = [s for i, s in enumerate(rows) if i not in stalls]
+        fit = _wnnls(rows, knee, bw) or fit
+    return fit
+
+
+def _wnnls(rows: Sequence[StepSample], knee: bool, bw: float | None) -> StepCostFit | None:
+    """One weighted non-negative least-squares fit over ``rows`` (the knee grid when ``knee``)."""
     y = [s.duration_s - (s.swapped_bytes / bw if bw else 0.0) for s in rows]
     w = [s.weight for s in rows]
     tok = [s.batched_tokens for s in rows]

@@ -43,9 +43,16 @@ def _sampler(buckets: list[tuple[float, float]], rng: random.Random, cap: int):
 
 
 def synthesize_trace(figures: MetricFigures, window_s: float, *, seed: int = 0, max_requests: int = 4000,
-                     max_model_len: int | None = None, prefix_tokens_hint: int | None = None) -> list[dict[str, Any]]:
+                     max_model_len: int | None = None, prefix_tokens_hint: int | None = None,
+                     in_system: tuple[float, float] = (0.0, 0.0)) -> list[dict[str, Any]]:
     """Requests of one window drawn from its metrics (see the module docstring); [] when the window
-    finished no request or has no length histograms."""
+    finished no request or has no length histograms.
+
+    ``in_system``: the requests running or waiting at the window's start and at its end (the gauges'
+    first and last samples). The histograms count finished requests only, which under a deep queue
+    arrive at the rate the engine served: the requests in the engine at the start join the trace at
+    time 0 (``backlog``: the queue the window inherited), and the window's arrivals are the finished
+    ones plus the growth of that number (requests are conserved)."""
     n = figures.hist_count(PROMPT_HIST) or 0.0
     if window_s <= 0 or n < 1:
         return []
@@ -55,8 +62,9 @@ def synthesize_trace(figures: MetricFigures, window_s: float, *, seed: int = 0, 
     output = _sampler(figures.buckets(OUTPUT_HIST), rng, cap)
     if prompt is None or output is None:
         return []
-    count = int(min(max_requests, round(n)))
-    rate = n / window_s
+    start, end = (max(0, int(round(x))) for x in in_system)
+    count = int(min(max_requests, max(1, round(n - start + end))))
+    rate = count / window_s
     hits = figures.get("vllm:prefix_cache_hits_total")
     queries = figures.get("vllm:prefix_cache_queries_total")
     hit_rate = (hits / queries) if hits is not None and queries else 0.0
@@ -65,8 +73,9 @@ def synthesize_trace(figures: MetricFigures, window_s: float, *, seed: int = 0, 
     p_tokens = int(prefix_tokens_hint or max(1, round(0.5 * mean_prompt)))
     share = min(1.0, hit_rate * mean_prompt / p_tokens) if hit_rate > 0 else 0.0
     t, out = 0.0, []
-    for _ in range(count):
-        t += rng.expovariate(rate)
+    for i in range(min(start, max_requests) + count):
+        if i >= start:
+            t += rng.expovariate(rate)
         p, o = prompt(), output()
         if max_model_len:
             o = max(1, min(o, max_model_len - p)) if p < max_model_len else 1
@@ -75,5 +84,7 @@ def synthesize_trace(figures: MetricFigures, window_s: float, *, seed: int = 0, 
         if share > 0 and rng.random() < share:
             r["prefix_group"] = "synth-0"
             r["prefix_tokens"] = min(p, p_tokens)
+        if i < start:
+            r["backlog"] = True
         out.append(r)
     return out

@@ -45,6 +45,17 @@ class GaugeSample:
     waiting: float            # waiting for capacity (all waiting when the split is not exported)
     kv_usage: float
     preempted: float = 0.0
+    replica: str = ""          # which engine (samples come oldest first per replica)
+
+
+def in_system(samples: Sequence[GaugeSample]) -> tuple[float, float]:
+    """Requests running or waiting at the first and at the last sample, summed over replicas."""
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for s in samples:
+        first.setdefault(s.replica, s.running + s.waiting)
+        last[s.replica] = s.running + s.waiting
+    return sum(first.values()), sum(last.values())
 
 
 def samples_of_scrapes(scrapes: Sequence[MetricFigures]) -> list[GaugeSample]:
@@ -176,7 +187,7 @@ def read_vllm(figures: MetricFigures, samples: Sequence[GaugeSample], *, window_
     if slo_tpot_s is not None:
         goodput = min(goodput, rps * f.hist_cdf("vllm:inter_token_latency_seconds", slo_tpot_s))
     hits, queries = f.get("vllm:prefix_cache_hits_total"), f.get("vllm:prefix_cache_queries_total")
-    trace = synthesize_trace(f, win, seed=seed, max_model_len=config.max_model_len)
+    trace = synthesize_trace(f, win, seed=seed, max_model_len=config.max_model_len, in_system=in_system(samples))
     q = lambda name, p: f.hist_quantile(name, p)  # noqa: E731
     running = [s.running for s in samples] or [0.0]
     waiting = [s.waiting for s in samples] or [0.0]
