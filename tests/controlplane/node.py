@@ -36,7 +36,8 @@ What it does, polling the apiserver every `poll_interval` seconds:
     ``{"kvtune-engine": [sys.executable, "-m", "kvtune_engine.server"]}``); ``python``/``python3``
     become this interpreter; other names are looked up on PATH with this venv's ``bin`` first. For
     anything else, set `translate` to a function ``(pod, container, argv) -> argv``.
-* It stops the process (SIGTERM to its process group, SIGKILL after the grace period, 10 s at most)
+* It stops the process (SIGTERM to its main process, as a container runtime does; SIGKILL to its
+  process group after the grace period, 30 s at most)
   when the pod is deleted, or is replaced (new uid). Pods outside `namespaces` are no longer its
   business: their processes stop and their status is left as it was.
 * Like a kubelet with ``restartPolicy: Always``, it restarts a process that exits, in the same pod
@@ -431,7 +432,7 @@ class PodNode:
             node=spec.get("nodeName", ""), pod_ip=pod.get("status", {}).get("podIP", ""),
             container=container["name"], container_port=container_port, port=port, argv=argv,
             workdir=workdir, proc=None, mounts=mounts,  # type: ignore[arg-type]  # _spawn sets it
-            grace_seconds=min(float(grace if grace is not None else 10), 10.0),
+            grace_seconds=min(float(grace if grace is not None else 10), 30.0),
             metrics_path=(md.get("annotations") or {}).get("prometheus.io/path", "/metrics"),
             env=env, status=status, backoff=BackOff(*self.backoff),
             readiness=Probe.from_spec(container.get("readinessProbe")),
@@ -538,7 +539,9 @@ class PodNode:
             lp.stopping.wait(period)
 
     def _stop_pods(self, keys: list[tuple[str, str]], why: str) -> None:
-        """SIGTERM all their process groups at once, SIGKILL what is left after the grace period."""
+        """SIGTERM their main processes at once, SIGKILL what is left of their groups after the grace
+        period: a container runtime signals the container's PID 1 only, which stops its own children
+        (vLLM's API server drains its requests; its engine and worker signalled too would die first)."""
         lps = [lp for lp in (self.pods.pop(k, None) for k in keys) if lp is not None]
         if not lps:
             return
@@ -547,7 +550,7 @@ class PodNode:
             if lp.exited is not None:
                 continue  # exited and reaped already: its pid may belong to someone else by now
             try:
-                os.killpg(lp.proc.pid, signal.SIGTERM)
+                os.kill(lp.proc.pid, signal.SIGTERM)
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + max(lp.grace_seconds for lp in lps)

@@ -5,10 +5,14 @@ knob a vLLM flag) with the real vLLM of ``tests/vllm/setup.sh``; Prometheus scra
 like any engine pod's; the operator (a subprocess, Recommend mode) reads vLLM's series from
 Prometheus. Under a load bound by ``maxNumSeqs 2`` with the KV cache almost empty, it names the
 sequence cap and recommends a higher maxNumSeqs, predicted on a trace synthesized from vLLM's
-histograms (said so in status), and changes nothing (Recommend). A missing vLLM fails the test.
+histograms (said so in status), and changes nothing (Recommend). In Apply mode the same load gets
+the change: the Deployment rolls, a new vLLM process serves with the higher cap while the old one
+serves until it is ready (no request fails), and the change is verified on the new pod's window
+and kept. A missing vLLM fails the tests.
 """
 from __future__ import annotations
 
+import datetime as dt
 import shutil
 import subprocess
 import sys
@@ -16,6 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -23,7 +28,7 @@ from tests.vllm.server import vllm_bin
 
 from .e2e_load import OpenLoopLoad
 from .test_operator_cluster import OperatorProcess, _make_namespace, crd, eventually, get  # noqa: F401
-from .test_tuner_e2e import start_engine, url_of, wait_for
+from .test_tuner_e2e import LABEL, history, start_engine, url_of, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 VOCAB = 512
@@ -55,8 +60,28 @@ def vllm_ns(controlplane, crd, pod_node):  # noqa: F811
     pod_node.command_map.update(saved)
 
 
-def infd(name: str, model: Path, cache: Path) -> str:
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+@pytest.fixture
+def vllm_run(controlplane, prometheus, vllm_ns, tmp_path):
+    """(operator, cache dir): the operator watching the namespace, and vLLM's caches for the pods'
+    env -- short and outside the pod's /tmp (an emptyDir the pod node maps to a long local path):
+    vLLM's ZMQ socket paths must stay under 107 characters."""
+    cache = Path(tempfile.mkdtemp(prefix="kvv-", dir="/var/tmp"))
+    (cache / "tmp").mkdir(parents=True)
+    env = {**controlplane.subprocess_env(), "KVTUNE_PROMETHEUS_URL": prometheus.url, "KVTUNE_TUNE_POLL_INTERVAL": "1"}
+    op = OperatorProcess(env, [vllm_ns], tmp_path / "operator.log").start()
+    try:
+        yield op, cache
+    finally:
+        op.stop()
+        sys.stderr.write(f"\n[operator log tail]\n{op.tail(30)}\n")
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+def infd(name: str, model: Path, cache: Path, mode: str = "Recommend") -> str:
+    # nobind: a rolling update runs two vLLM pods on this node's two cores; bound ("0-1"), each
+    # worker's main thread sits on core 0 from its first import on, and the new pod's start-up,
+    # runnable next to the old worker's busy loop, got 0.6 s of CPU in 300 s and never finished
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "TRITON_CACHE_DIR": str(cache / "triton"), "HF_HOME": str(cache / "hf"), "TMPDIR": str(cache / "tmp"),
            "VLLM_RPC_BASE_PATH": str(cache / "tmp")}
@@ -68,7 +93,7 @@ def infd(name: str, model: Path, cache: Path) -> str:
             "resources": {"gpus": 0},
             "engine": {"maxNumSeqs": 2, "maxNumBatchedTokens": 1024, "maxModelLen": 1024, "blockSize": 128,
                        "kvCacheMemoryGiB": 1, "swapSpaceGiB": 0, "enablePrefixCaching": False},
-            "autotune": {"mode": "Recommend", "interval": "8s", "window": "20s", "cooldown": "10m",
+            "autotune": {"mode": mode, "interval": "8s", "window": "20s", "cooldown": "10m",
                          "objectives": {"ttftP95": "1s"},
                          "bounds": {"blockSize": [128], "maxNumSeqs": {"min": 1, "max": 64}}},
             "env": [{"name": k, "value": v} for k, v in env.items()],
@@ -78,47 +103,87 @@ def infd(name: str, model: Path, cache: Path) -> str:
     return yaml.safe_dump(body)
 
 
-def test_operator_recommends_more_sequences_for_a_real_vllm_pod(controlplane, prometheus, pod_node, vllm_ns,
-                                                                 vllm_model, tmp_path):
+def test_operator_recommends_more_sequences_for_a_real_vllm_pod(controlplane, pod_node, vllm_ns, vllm_model,
+                                                                 vllm_run):
     ns, name = vllm_ns, "vllm-seqcap"
-    # short and outside the pod's /tmp (an emptyDir the pod node maps to a long local path): vLLM's
-    # ZMQ socket paths must stay under 107 characters
-    cache = Path(tempfile.mkdtemp(prefix="kvv-", dir="/var/tmp"))
-    (cache / "tmp").mkdir(parents=True)
-    env = {**controlplane.subprocess_env(), "KVTUNE_PROMETHEUS_URL": prometheus.url, "KVTUNE_TUNE_POLL_INTERVAL": "1"}
-    op = OperatorProcess(env, [ns], tmp_path / "operator.log").start()
-    try:
-        t0 = time.monotonic()
-        controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd(name, vllm_model, cache))
-        local = start_engine(controlplane, pod_node, ns, name, timeout=420)
-        sys.stderr.write(f"vLLM pod serving after {time.monotonic() - t0:.0f}s: {' '.join(local.argv[:4])} ...\n")
-        assert Path(local.argv[0]) == vllm_bin() and local.argv[1] == "serve"
-        argv = local.argv
-        assert argv[argv.index("--max-num-seqs") + 1] == "2" and "--no-enable-prefix-caching" in argv
-        # 10 requests/s of 32 + 32 tokens: two sequences at a time cannot keep up
-        load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=10.0, prompt_tokens=32, output_tokens=32,
-                            vocab=VOCAB, max_requests=3000, max_seconds=240, max_in_flight=128, seed=3)
-        with load:
-            obj = wait_for(controlplane, ns, name,
-                           lambda o: ((o.get("status") or {}).get("tuning") or {}).get("phase") == "Recommended",
-                           timeout=240, what="a recommendation", operator=op)
-        st = obj["status"]
-        rec = st["tuning"]["lastChange"]
-        sys.stderr.write(f"recommendation: {rec}\n")
-        assert rec["action"] == "Recommend" and rec["cause"] == "SequenceCap", rec
-        assert rec["before"]["maxNumSeqs"] == 2 and rec["after"]["maxNumSeqs"] > 2
-        assert rec["restart"] is True                      # vLLM changes no knob live
-        assert st["diagnosis"]["cause"] == "SequenceCap"
-        assert st["tuning"]["traceSource"] == "synthesized"
-        metrics = next(c for c in st["conditions"] if c["type"] == "MetricsAvailable")
-        assert metrics["status"] == "True" and "synthesized from vLLM's histograms" in metrics["message"]
-        assert load.stats.ok > 0
-        # Recommend: nothing changed; the same vLLM process still runs with maxNumSeqs 2
-        dep = get(controlplane, "deployment", name, ns)
-        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--max-num-seqs") + 1] == "2"
-        assert pod_node.get(ns, local.name).returncode is None
-    finally:
-        op.stop()
-        sys.stderr.write(f"\n[operator log tail]\n{op.tail(30)}\n")
-        shutil.rmtree(cache, ignore_errors=True)
+    op, cache = vllm_run
+    t0 = time.monotonic()
+    controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd(name, vllm_model, cache))
+    local = start_engine(controlplane, pod_node, ns, name, timeout=420)
+    sys.stderr.write(f"vLLM pod serving after {time.monotonic() - t0:.0f}s: {' '.join(local.argv[:4])} ...\n")
+    assert Path(local.argv[0]) == vllm_bin() and local.argv[1] == "serve"
+    argv = local.argv
+    assert argv[argv.index("--max-num-seqs") + 1] == "2" and "--no-enable-prefix-caching" in argv
+    # 10 requests/s of 32 + 32 tokens: two sequences at a time cannot keep up
+    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=10.0, prompt_tokens=32, output_tokens=32,
+                        vocab=VOCAB, max_requests=3000, max_seconds=240, max_in_flight=128, seed=3)
+    with load:
+        obj = wait_for(controlplane, ns, name,
+                       lambda o: ((o.get("status") or {}).get("tuning") or {}).get("phase") == "Recommended",
+                       timeout=240, what="a recommendation", operator=op)
+    st = obj["status"]
+    rec = st["tuning"]["lastChange"]
+    sys.stderr.write(f"recommendation: {rec}\n")
+    assert rec["action"] == "Recommend" and rec["cause"] == "SequenceCap", rec
+    assert rec["before"]["maxNumSeqs"] == 2 and rec["after"]["maxNumSeqs"] > 2
+    assert rec["restart"] is True                      # vLLM changes no knob live
+    assert st["diagnosis"]["cause"] == "SequenceCap"
+    assert st["tuning"]["traceSource"] == "synthesized"
+    metrics = next(c for c in st["conditions"] if c["type"] == "MetricsAvailable")
+    assert metrics["status"] == "True" and "synthesized from vLLM's histograms" in metrics["message"]
+    assert load.stats.ok > 0
+    # Recommend: nothing changed; the same vLLM process still runs with maxNumSeqs 2
+    dep = get(controlplane, "deployment", name, ns)
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "2"
+    assert pod_node.get(ns, local.name).returncode is None
+
+
+def test_operator_applies_and_keeps_more_sequences_on_a_real_vllm_pod(controlplane, pod_node, vllm_ns, vllm_model,
+                                                                     vllm_run):
+    ns, name = vllm_ns, "vllm-apply"
+    op, cache = vllm_run
+    t0 = time.monotonic()
+    controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd(name, vllm_model, cache, mode="Apply"))
+    old = start_engine(controlplane, pod_node, ns, name, timeout=420)
+    # at most 32 in flight: the backlog built while the new pod starts (a minute or two) reaches the
+    # new pod at once, and 128 of them would take its first window to drain
+    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=10.0, prompt_tokens=32, output_tokens=32,
+                        vocab=VOCAB, max_requests=6000, max_seconds=480, max_in_flight=32, seed=5)
+    with load:
+        obj = wait_for(controlplane, ns, name, lambda o: any(h["action"] == "Apply" for h in history(o)),
+                       timeout=240, what="the change to be applied", operator=op)
+        apply = next(h for h in history(obj) if h["action"] == "Apply")
+        sys.stderr.write(f"applied after {time.monotonic() - t0:.0f}s: {apply}\n")
+        assert apply["cause"] == "SequenceCap" and apply["restart"] is True
+        assert apply["before"]["maxNumSeqs"] == 2 and apply["after"]["maxNumSeqs"] > 2
+        cap = apply["after"]["maxNumSeqs"]
+        assert f"Changing maxNumSeqs 2 -> {cap}: predicted goodput" in apply["message"], apply["message"]
+
+        def new_vllm():
+            pods = [p for p in pod_node.pods_for_selector(ns, {LABEL: name}) if p.name != old.name]
+            if pods and pods[0].argv[pods[0].argv.index("--max-num-seqs") + 1] == str(cap):
+                return pods[0]
+            return None
+        new = eventually(new_vllm, timeout=120, interval=1, what=f"a vLLM pod started with --max-num-seqs {cap}")
+        try:
+            eventually(lambda: httpx.get(f"{new.url}/health", timeout=2).status_code == 200, timeout=420,
+                       interval=1, what="the new vLLM pod to be healthy (40-140 s of start-up on two cores)")
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n[new pod's log tail]\n{pod_node.logs(ns, new.name)[-4000:]}") from None
+        healthy_at = dt.datetime.now(dt.timezone.utc).replace(microsecond=0)
+        sys.stderr.write(f"new vLLM pod {new.name} serving after {time.monotonic() - t0:.0f}s\n")
+        eventually(lambda: pod_node.get(ns, old.name) is None, timeout=120, what="the old vLLM pod to go")
+        obj = wait_for(controlplane, ns, name,
+                       lambda o: any(h["action"] in ("Keep", "RollBack") for h in history(o)),
+                       timeout=240, what="the verdict on the new pod's window", operator=op)
+    verdict = next(h for h in history(obj) if h["action"] in ("Keep", "RollBack"))
+    sys.stderr.write(f"verdict after {time.monotonic() - t0:.0f}s: {verdict}\nload: {load.stats}\n")
+    assert verdict["action"] == "Keep", verdict
+    # judged on the new pod's own window, not on the old pod's while the new one started
+    assert dt.datetime.fromisoformat(verdict["time"].replace("Z", "+00:00")) >= healthy_at, (verdict, healthy_at)
+    assert obj["status"]["engine"]["maxNumSeqs"] == cap
+    dep = get(controlplane, "deployment", name, ns)
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == str(cap)
+    assert load.stats.ok > 0 and load.stats.failed == 0, load.stats.errors  # the old pod served until the new one was ready

@@ -49,6 +49,14 @@ def test_vllm_command_line_carries_every_knob_in_vllms_flags():
     assert parse_knobs(a) == {k: v for k, v in cfg.model_dump().items() if k != "kv_cache_memory"}
 
 
+def test_a_stopping_vllm_pod_drains_its_requests_within_the_grace_period():
+    """vLLM's default --shutdown-timeout 0 aborts in-flight requests when a rollout stops the old pod."""
+    out = {c["kind"]: c for c in r.render_children(infd(), EngineConfig(), image=DEFAULT_VLLM_IMAGE, pod_monitor=False)}
+    pod = out["Deployment"]["spec"]["template"]["spec"]
+    a = pod["containers"][0]["args"]
+    assert 0 < int(a[a.index("--shutdown-timeout") + 1]) < pod["terminationGracePeriodSeconds"]
+
+
 def test_no_swap_means_no_offloading_and_unset_model_len_is_left_to_vllm():
     a = container(EngineConfig(swap_space=0.0))["args"]
     assert "--kv-offloading-size" not in a and "--kv-offloading-backend" not in a

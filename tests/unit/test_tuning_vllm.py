@@ -1,0 +1,81 @@
+"""gather_vllm's window across a rollout: only the vLLM engines running now, from their first scrape.
+
+A new vLLM pod's process starts a minute or more before it serves (and Prometheus first scrapes it);
+the old pod serves, and is scraped, until the new one is ready. A window judged back to the new
+process' start would be the old pod's (regression: a restart change was rolled back on such a window).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvtune_engine.config import EngineConfig
+from kvtune_operator import tuning_vllm
+from kvtune_operator.prometheus import MetricsUnavailable, Window, window_figures
+
+NOW, OLD, NEW = 10_000.0, "10.0.0.1:8000", "10.0.0.2:8000"
+
+
+def series(inst: str, first: float, last: float, running: float, started: float) -> list[dict]:
+    ts = [t for t in range(int(first), int(last) + 1)]  # scraped every second
+    labels = {"instance": inst, "namespace": "ns", "inference_deployment": "d", "model_name": "tiny"}
+    done = [[t, str(5.0 * (t - first))] for t in ts]     # 5 requests/s finished
+    return [{"metric": {"__name__": "vllm:num_requests_running", **labels}, "values": [[t, str(running)] for t in ts]},
+            {"metric": {"__name__": "vllm:request_success_total", **labels, "finished_reason": "length"},
+             "values": done},
+            {"metric": {"__name__": "process_start_time_seconds", **labels}, "values": [[t, str(started)] for t in ts]}]
+
+
+@pytest.fixture
+def prometheus(monkeypatch):
+    """read_window over fixed series: the samples in (now - window, now], as a range query returns."""
+    prom = SimpleNamespace(series=[], calls=[])
+
+    def read_window(url, namespace, name, window_s, *, timeout_s=10.0, new_instances=(), runtime="kvtune"):
+        prom.calls.append((window_s, sorted(new_instances)))
+        lo = NOW - int(window_s)
+        got = [{**s, "values": [v for v in s["values"] if v[0] > lo]} for s in prom.series]
+        got = [s for s in got if s["values"]]
+        figures, instances = window_figures(got, max(1, int(window_s)), new_instances)
+        return Window(figures, instances, window_s, got)
+    monkeypatch.setattr(tuning_vllm, "read_window", read_window)
+    return prom
+
+
+class Plan:
+    prometheus_url = "http://prometheus"
+
+
+def gather(window: float = 20.0):
+    return tuning_vllm.gather_vllm(Plan(), "ns", "d", EngineConfig(max_num_seqs=64), window, now=NOW)
+
+
+def test_after_a_rollout_the_window_starts_when_the_old_engine_was_last_scraped(prometheus):
+    # the new engine's process started 140 s ago, it serves since 15 s ago, the old one left 12 s ago
+    prometheus.series = (series(OLD, NOW - 30, NOW - 12, 2, NOW - 400) +
+                         series(NEW, NOW - 15, NOW, 10, NOW - 140))
+    _, _, window = gather()
+    assert window == 12.0
+    assert prometheus.calls[-1] == (12.0, [])         # scraped before the window: its counters have a base
+    assert all(s["metric"]["instance"] == NEW for s in tuning_vllm.read_window(
+        "", "ns", "d", window).series)                # the old engine is not in the judged window
+
+
+def test_a_new_engine_is_judged_from_its_first_scrape_not_its_process_start(prometheus):
+    prometheus.series = series(NEW, NOW - 14, NOW, 10, NOW - 140)
+    _, _, window = gather()
+    assert window == 14.0 and prometheus.calls[-1] == (14.0, [NEW])
+
+
+def test_too_short_a_window_since_the_rollout_waits(prometheus):
+    prometheus.series = series(OLD, NOW - 30, NOW - 4, 2, NOW - 400) + series(NEW, NOW - 6, NOW, 10, NOW - 140)
+    with pytest.raises(MetricsUnavailable) as e:
+        gather()
+    assert e.value.reason == "WindowTooShort" and NEW in str(e.value)
+
+
+def test_the_same_engines_all_along_keep_the_whole_window(prometheus):
+    prometheus.series = series(OLD, NOW - 19, NOW, 2, NOW - 400)
+    _, _, window = gather()
+    assert window == 20.0 and prometheus.calls == [(20.0, [])]
