@@ -33,7 +33,7 @@ from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
 from .rollout import rollout_failure, rollout_pending
 from .scaling import autoscaler_of, replica_target, replicas_needed
-from .tuner.backlog import WindowTrace
+from .tuner.backlog import WindowTrace, in_engine
 from .tuner.candidates import Bounds
 from .tuner.decide import Decision, Objectives, knob_changes, window_figures
 from .tuner.loop import Round, TunerSettings, measured_figures, tune_round
@@ -289,7 +289,9 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     history = list(tuning.get("history") or [])
     settings = tuner_settings(spec, plan)
     traced = (f"{len(gathered.trace)} requests synthesized from vLLM's histograms (vLLM records no trace)"
-              if gathered.trace_synthesized else f"{len(gathered.trace)} traced requests")
+              if gathered.trace_synthesized else
+              f"{len(gathered.trace)} traced requests ({len(in_engine(gathered.trace))} "
+              "still in the engine, their output lengths estimated)")
     out.conditions.append(c.Cond("MetricsAvailable", "True", "WindowRead",
                                  f"{int(gathered.window_s)}s of engine metrics and {traced}"))
     stale = knob_changes(obs.config, current)

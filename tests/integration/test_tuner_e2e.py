@@ -117,14 +117,7 @@ def infd(name: str, model: Path, engine: dict, bounds: dict, extra_args: list[st
             "engine": {"swapSpaceGiB": 0, "enablePrefixCaching": False, **engine},
             "autotune": {"mode": "Apply", "interval": INTERVAL, "window": WINDOW, "cooldown": "10m",
                          "objectives": {"ttftP95": "1s"}, "bounds": {"blockSize": [16], **bounds}},
-            # the engine's PyTorch paths (no prepacked matmuls, no fused ops): the two scenarios were
-            # calibrated on their step costs. With the fast paths the seq-cap window (two sequences
-            # per step, always) fits a cost model that predicts little gain past maxNumSeqs 3, the
-            # first change is too small and its window still misses every objective: a tuner
-            # weakness to fix (a fit from one batch size extrapolates badly), not hidden by this --
-            # see the closing note of this change
-            "env": [{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "KVTUNE_CPU_GEMM", "value": "torch"},
-                    {"name": "KVTUNE_CPU_FUSED", "value": "torch"}],
+            "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
             "extraArgs": extra_args or [],
         },
     }
@@ -241,8 +234,9 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
     gen, template, pod_name = dep["metadata"]["generation"], dep["spec"]["template"], local.name
     rs_before = replica_sets(controlplane, ns, name)
 
-    # 7 requests/s of 32 + 32 tokens: two sequences at a time cannot keep up, the queue grows
-    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=7.0, prompt_tokens=32, output_tokens=32,
+    # 7 requests/s of 32 + 96 tokens: two sequences at a time cannot keep up (a decode step of this
+    # model costs ~9 ms whatever the batch, so two sequences serve ~2 requests/s), the queue grows
+    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=7.0, prompt_tokens=32, output_tokens=96,
                         vocab=VOCAB, max_requests=1500, max_seconds=240, max_in_flight=96, seed=1)
     with load:
         # 1. the diagnosis and a live change of maxNumSeqs

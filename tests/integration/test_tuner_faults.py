@@ -82,7 +82,7 @@ def test_operator_kill_prometheus_outage_and_a_rollout_that_cannot_start(
         local = start_engine(controlplane, pod_node, ns, name)
         key = admin_key(controlplane, ns, name)
         log(f"faults: engine listening after {time.monotonic() - t0:.0f}s")
-        load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=7.0, prompt_tokens=32, output_tokens=32,
+        load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=7.0, prompt_tokens=32, output_tokens=96,
                             vocab=VOCAB, max_requests=3000, max_seconds=420, max_in_flight=96, seed=3)
         with load:
             # -- 1. SIGKILL while verifying -----------------------------------------------------------

@@ -2,11 +2,13 @@
 what a replay of the survivors alone gets wrong under a deep queue."""
 from __future__ import annotations
 
+import pytest
+
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.sim.profile import load_profile
 from kvtune_engine.sim.simulator import SLO, simulate
 from kvtune_engine.sim.trace import TraceRequest
-from kvtune_operator.tuner.backlog import WindowTrace, estimated_output, with_unfinished
+from kvtune_operator.tuner.backlog import WindowTrace, estimated_output, in_engine, with_unfinished
 from kvtune_operator.tuner.predict import Predictor, as_trace
 
 
@@ -29,7 +31,9 @@ def test_window_trace_splits_at_the_start_and_marks_estimates():
     assert [(r["arrival_s"], r["output_tokens"], r.get("estimated", False)) for r in w.trace] == \
         [(11.0, 7, False), (12.0, 7, True)]
     assert [(r["arrival_s"], r["output_tokens"]) for r in w.lead] == [(1.0, 5), (9.0, 7)]
-    assert "generated_tokens" not in w.lead[1] and as_trace(w.trace)[1].output_tokens == 7
+    assert "max_tokens" not in w.lead[1] and as_trace(w.trace)[1].output_tokens == 7
+    # the queue a change would start from: the two still in the engine, with what they have left
+    assert in_engine(w.lead + w.trace) == [TraceRequest(0.0, 4, 7), TraceRequest(0.0, 4, 5)]
     assert WindowTrace.split({"requests": got["requests"]}, 10.0).trace == [got["requests"][1]]
 
 
@@ -58,3 +62,22 @@ def test_the_backlog_shows_the_load_a_sequence_cap_could_not_serve():
         1e-9, pred.predict(full, cfg)["goodput_requests_per_s"])
     assert len(full) == len(done) + len(live)
     assert gain_full > 2 * gain_survivors, (gain_full, gain_survivors)
+
+
+def test_the_next_window_is_scored_with_the_queue_a_change_starts_from():
+    # a cap that just keeps up with the arrivals never drains the 100 requests already waiting; a
+    # replay from an empty engine cannot tell it from one that does
+    prof, slo = load_profile("a100-llama3-8b"), SLO(ttft_s=2.0)
+    small, big = EngineConfig(max_num_seqs=8), EngineConfig(max_num_seqs=64)
+    rate = 0.9 * simulate([TraceRequest(0.0, 256, 128)] * 200, small, prof)["requests_per_s"]
+    arrivals = [TraceRequest(i / rate, 256, 128) for i in range(int(20 * rate))]
+    plain, nxt = Predictor(prof, slo), Predictor(prof, slo, backlog=[TraceRequest(0.0, 256, 128)] * 100)
+
+    def goodput(p, cfg):
+        return p.predict(arrivals, cfg)["goodput_requests_per_s"]
+    assert goodput(plain, small) > 0.8 * goodput(plain, big)
+    assert goodput(nxt, small) < 0.2 * goodput(nxt, big)
+    # throughput counts the backlog's tokens too; goodput only the window's own arrivals
+    s = nxt.predict(arrivals, big)
+    assert s["requests_finished"] == len(arrivals)
+    assert s["output_tokens_per_s"] * s["duration_s"] == pytest.approx(128 * (len(arrivals) + 100))

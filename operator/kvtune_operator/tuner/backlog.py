@@ -7,13 +7,16 @@ the replay cannot be relieved). So the unfinished requests (the engine's ``unfin
 entries: arrival, prompt, ``generated_tokens`` so far, the ``max_tokens`` cap) join the trace with
 an estimated output length: the median of the finished outputs longer than what the request has
 already generated (a request that ran g tokens is one of those), at least g + 1, at most its cap.
-Estimated records say so (``estimated: True``); the window's own figures never count them.
+Estimated records say so (``estimated: True``, with their ``generated_tokens``); the window's own
+figures never count them. ``in_engine`` turns them into the queue a change now would start from.
 """
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
+
+from kvtune_engine.sim.trace import TraceRequest
 
 
 def estimated_output(generated: int, cap: int | None, finished_outputs: Sequence[int]) -> int:
@@ -34,10 +37,23 @@ def with_unfinished(finished: Iterable[Mapping[str, Any]], unfinished: Iterable[
     for e in unfinished:
         g = int(e.get("generated_tokens") or 0)
         cap = e.get("max_tokens")
-        rec = {k: v for k, v in e.items() if k not in ("generated_tokens", "max_tokens")}
+        rec = {k: v for k, v in e.items() if k != "max_tokens"}
         rec.update(output_tokens=estimated_output(g, int(cap) if cap else None, outs), estimated=True)
         done.append(rec)
     return sorted(done, key=lambda r: float(r.get("arrival_s", 0.0)))
+
+
+def in_engine(records: Iterable[Any]) -> list[TraceRequest]:
+    """The estimated records (requests still in the engine when the window was read) as the queue a
+    change would start from: all there at time 0, each with the output it has left to generate."""
+    out = []
+    for r in records:  # TraceRequests (a simulated window) are never estimated
+        if isinstance(r, Mapping) and r.get("estimated"):
+            left = max(1, int(r["output_tokens"]) - int(r.get("generated_tokens") or 0))
+            group = r.get("prefix_group")
+            out.append(TraceRequest(0.0, int(r["prompt_tokens"]), left, group,
+                                    int(r.get("prefix_tokens") or 0) if group else 0))
+    return out
 
 
 @dataclass(frozen=True)

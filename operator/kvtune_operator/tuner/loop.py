@@ -21,6 +21,7 @@ from kvtune_engine.sim.profile import Profile
 from kvtune_engine.sim.simulator import SLO, simulate
 from kvtune_engine.sim.trace import TraceRequest
 
+from .backlog import in_engine
 from .candidates import Bounds, CandidateSet, Safety, combine, propose, restart_lookahead
 from .decide import (Decision, Objectives, Score, TunerState, Verdict, choose, config_key, knob_changes,
                      window_figures)
@@ -101,20 +102,17 @@ class Tuner:
         st.forget_expired(now)
         verdict = None
         cfg = obs.config
-        # with the trace before the window (``lead``, in the records' clock, up to ``window_start``)
-        # every replay runs the window with the backlog it inherited (``Predictor``)
-        windowed = bool(lead) and window_start is not None
-        tr = as_trace(trace, rebase=not windowed)
-
-        def predictor(profile: Profile) -> Predictor:
-            return Predictor.for_window(profile, s.slo, lead, window_start) if windowed \
-                else Predictor(profile, s.slo)
+        tr = as_trace(trace)
         profile = fit = None
         if st.phase == "Verifying":
             counterfactual = None
             if tr and st.pending is not None:
                 profile, fit = fitted(obs, self.base_profile)
-                old = predictor(profile).predict(tr, EngineConfig.model_validate(st.pending.before))
+                before = EngineConfig.model_validate(st.pending.before)
+                # the old config on this window, with the backlog the window inherited when the
+                # trace before it is known (``lead``, in the records' clock, up to ``window_start``)
+                old = Predictor(profile, s.slo).predict_window(lead, trace, before, window_start) \
+                    if lead and window_start is not None else Predictor(profile, s.slo).predict(tr, before)
                 counterfactual = window_figures(old) if old is not None else None
             verdict, nxt = st.verify(measured_figures(obs), now, s.objectives, counterfactual)
             if not verdict.keep:
@@ -131,7 +129,9 @@ class Tuner:
             return Round(now, obs, diag, cfg, verdict=verdict, note="no trace: nothing to predict with")
         if profile is None:
             profile, fit = fitted(obs, self.base_profile)
-        pred = predictor(profile)
+        # every config is scored on the next window: the requests in the engine now, then arrivals
+        # like this window's (``Predictor``)
+        pred = Predictor(profile, s.slo, backlog=in_engine([*lead, *trace]))
         baseline = pred.predict(tr, cfg)
         if baseline is None:
             return Round(now, obs, diag, cfg, verdict=verdict, fit=fit,
@@ -157,7 +157,7 @@ class Tuner:
         out = Round(now, obs, diag, cfg, verdict=verdict, decision=decision, fit=fit, predictions=pred.runs)
         if diag.cause == "ComputeBound" and decision.action != "change":
             # no knob helps one saturated engine: how many engines would meet the objectives
-            out.replicas = predict_replicas(as_trace(trace), cfg, profile, s.slo, target_share=s.healthy_goodput_share,
+            out.replicas = predict_replicas(tr, cfg, profile, s.slo, target_share=s.healthy_goodput_share,
                                             max_replicas=s.max_replicas)
         if decision.action == "change" and apply:
             st.begin(decision, measured_figures(obs), now)

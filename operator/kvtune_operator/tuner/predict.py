@@ -9,7 +9,7 @@ token, host memory, swap bandwidth, and every cost when there are no step sample
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from pydantic import PrivateAttr
 
@@ -111,19 +111,24 @@ def profile_for(obs: Observation | None, base: Profile | None = None, fit: StepC
 
 @dataclass
 class Predictor:
-    """Simulator runs of one trace under candidate configs, cached by config.
+    """Simulator runs of one trace under candidate configs, cached by config. Two questions:
 
-    With a ``window_start`` the trace is a window of the engine's (in the records' own clock, not
-    rebased) and ``lead`` the requests that arrived before it: each replay runs the lead first and its
-    figures count only the requests that finish inside the window, as the engine's histograms do
-    (``window_summary``). Without the lead a replay starts the window with an empty engine, while the
-    real one started it with the queue built before it: under a deep queue the window's own arrivals
-    (the rate the engine served) are no load at all, and no candidate looks better than the current
-    config."""
+    * *what the next window would be* under a config changed now (``backlog``): the requests in the
+      engine now (``backlog.in_engine``, all at time 0) run first, then the trace (the window's
+      arrivals, rebased: the forecast); goodput and latencies count the trace's requests (the
+      backlog's have waited already), throughput everything. Without the backlog a replay starts
+      with an empty engine: under a deep queue the window's own arrivals (the rate the engine
+      served) are no load at all, no candidate looks better, and one that just keeps up with the
+      arrivals looks as good as one that also drains the queue.
+    * *what a window would have been* under another config (``window_start``: a verdict's
+      counterfactual): the trace is the window (in the records' own clock) and ``lead`` the requests
+      that arrived before it; the lead runs first and the figures count the requests that finish
+      inside the window, as the engine's histograms do (``window_summary``)."""
     profile: Profile
     slo: SLO = field(default_factory=SLO)
     lead: Sequence[TraceRequest] = ()
     window_start: float | None = None
+    backlog: Sequence[TraceRequest] = ()
     runs: int = 0
     _cache: dict[str, Mapping[str, Any] | None] = field(default_factory=dict, repr=False)
     _trace_id: int | None = field(default=None, repr=False)
@@ -146,13 +151,16 @@ class Predictor:
                 self._cache[key] = None
                 return None
             self.runs += 1
-            if self.window_start is None:
-                self._cache[key] = simulate(list(trace), cfg, self.profile, self.slo)
-            elif not trace and not self.lead:
-                self._cache[key] = None
+            if self.window_start is not None:
+                full = simulate([*self.lead, *trace], cfg, self.profile, self.slo, per_request=True) \
+                    if trace or self.lead else None
+                self._cache[key] = full and window_summary(full, self.window_start, self.slo)
+            elif self.backlog:
+                n = len(self.backlog)
+                full = simulate([*self.backlog, *trace], cfg, self.profile, self.slo, per_request=True)
+                self._cache[key] = window_summary(full, 0.0, self.slo, scored=lambda r: int(r["id"][1:]) >= n)
             else:
-                full = simulate([*self.lead, *trace], cfg, self.profile, self.slo, per_request=True)
-                self._cache[key] = window_summary(full, self.window_start, self.slo)
+                self._cache[key] = simulate(list(trace), cfg, self.profile, self.slo)
         return self._cache[key]
 
     def predict_window(self, lead: Sequence[Any], window: Sequence[Any], cfg: EngineConfig,
@@ -190,14 +198,17 @@ def _field(r: Any, name: str) -> Any:
     return getattr(r, name) if isinstance(r, TraceRequest) else dict(r).get(name)
 
 
-def window_summary(full: Mapping[str, Any], start: float, slo: SLO) -> dict[str, Any]:
+def window_summary(full: Mapping[str, Any], start: float, slo: SLO,
+                   scored: Callable[[Mapping[str, Any]], bool] | None = None) -> dict[str, Any]:
     """A replay's summary (``simulate(..., per_request=True)``) over the requests that finished at or
-    after ``start``: goodput, throughput and the latency percentiles over the window, per second of
-    it (what a verdict compares, and what a window's candidates are scored on). The memory and queue
-    figures stay the whole replay's; its preemptions count pro rata of the window's share of its time."""
+    after ``start``: throughput over the window, per second of it, and goodput and the latency
+    percentiles over those of them that are ``scored`` (default all) -- what a verdict compares and
+    what candidates are scored on. The memory and queue figures stay the whole replay's; its
+    preemptions count pro rata of the window's share of its time."""
     rows = full["per_request"]
-    done = [r for r in rows if r["arrival_s"] + r["e2e_s"] >= start]
-    end = max((r["arrival_s"] + r["e2e_s"] for r in done), default=start)
+    finished = [r for r in rows if r["arrival_s"] + r["e2e_s"] >= start]
+    done = finished if scored is None else [r for r in finished if scored(r)]
+    end = max((r["arrival_s"] + r["e2e_s"] for r in finished), default=start)
     dur = max(end - start, 1e-9)
     first = min((r["arrival_s"] for r in rows), default=start)
     share = min(1.0, dur / max(end - first, 1e-9))
@@ -211,7 +222,7 @@ def window_summary(full: Mapping[str, Any], start: float, slo: SLO) -> dict[str,
             "tpot": sorted(t for t in map(tpot, done) if t is not None)}
     out.update({f"{name}_p{round(q * 100)}_s": percentile(v, q) for name, v in figs.items() for q in (0.5, 0.95, 0.99)})
     out.update(goodput_requests_per_s=sum(slo.met(r["ttft_s"], tpot(r)) for r in done) / dur,
-               output_tokens_per_s=sum(r["output_tokens"] for r in done) / dur,
+               output_tokens_per_s=sum(r["output_tokens"] for r in finished) / dur,
                requests_per_s=len(done) / dur, duration_s=dur, requests_finished=len(done),
                preemptions={k: round(v * share) for k, v in (full.get("preemptions") or {}).items()})
     out["queue_time_p95_s"] = out["queue_time_p95_s"] or 0.0
