@@ -93,6 +93,8 @@ def _engines_changed(series: list[dict[str, Any]], window: float, now: float) ->
         return None, []
     at = max(marks)
     return at, sorted(i for i, (a, b) in spans.items() if a >= at - slack and b >= now - slack)
+
+
 def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, window: float, *,
                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = 10.0,
                 min_window_s: float = 10.0, now: float | None = None):

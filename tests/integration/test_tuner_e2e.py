@@ -145,6 +145,13 @@ def wait_for(controlplane, ns: str, name: str, pred, timeout: float, what: str, 
             f"conditions: {json.dumps(st.get('conditions'), indent=1)}\noperator log:\n{operator.tail(40)}") from None
 
 
+def first_apply(controlplane, ns: str, name: str, timeout: float, operator: OperatorProcess) -> tuple[dict, dict]:
+    """(the object, its first Apply entry of status.tuning.history) once the tuner applied a change."""
+    obj = wait_for(controlplane, ns, name, lambda o: any(h["action"] == "Apply" for h in history(o)),
+                   timeout=timeout, what="the tuner to apply a change", operator=operator)
+    return obj, next(h for h in history(obj) if h["action"] == "Apply")
+
+
 def events(controlplane, ns: str, name: str) -> list[dict]:
     return controlplane.kubectl_json("get", "events", "-n", ns, "--field-selector",
                                      f"involvedObject.name={name},involvedObject.kind=InferenceDeployment",
@@ -240,11 +247,9 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
                         vocab=VOCAB, max_requests=1500, max_seconds=240, max_in_flight=96, seed=1)
     with load:
         # 1. the diagnosis and a live change of maxNumSeqs
-        obj = wait_for(controlplane, ns, name, lambda o: any(h["action"] == "Apply" for h in history(o)),
-                       timeout=90, what="the tuner to apply a change", operator=op)
-        log(f"seqcap: applied after {time.monotonic() - t0:.0f}s: {history(obj)[-1]}")
+        obj, apply = first_apply(controlplane, ns, name, timeout=90, operator=op)
+        log(f"seqcap: applied after {time.monotonic() - t0:.0f}s: {apply}")
         st = obj["status"]
-        apply = next(h for h in history(obj) if h["action"] == "Apply")
         assert apply["cause"] == "SequenceCap", apply
         assert apply["restart"] is False
         assert apply["before"] == {"maxNumSeqs": 2}
@@ -368,11 +373,9 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
     load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=5.0, prompt_tokens=16, output_tokens=112,
                         vocab=VOCAB, max_requests=1200, max_seconds=200, max_in_flight=96, seed=2)
     with load:
-        obj = wait_for(controlplane, ns, name, lambda o: any(h["action"] == "Apply" for h in history(o)),
-                       timeout=90, what="the tuner to apply a change", operator=op)
-        log(f"lowmem: applied after {time.monotonic() - t0:.0f}s: {history(obj)[-1]}")
+        obj, apply = first_apply(controlplane, ns, name, timeout=90, operator=op)
+        log(f"lowmem: applied after {time.monotonic() - t0:.0f}s: {apply}")
         st = obj["status"]
-        apply = next(h for h in history(obj) if h["action"] == "Apply")
         assert apply["cause"] == "LowKVMemory", apply
         assert apply["restart"] is True and "needs a restart" in apply["message"]
         assert apply["before"]["gpuMemoryUtilization"] == 0.1

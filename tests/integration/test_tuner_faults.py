@@ -30,7 +30,7 @@ from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
     OperatorProcess, _make_namespace, admin_key, condition, crd, eventually, get,
 )
 from .test_tuner_e2e import (  # noqa: F401 - model is a fixture
-    LABEL, VOCAB, delete_and_wait, engine_state, history, infd, log, model, replica_sets, start_engine,
+    LABEL, VOCAB, delete_and_wait, engine_state, first_apply, history, infd, log, model, replica_sets, start_engine,
     tuning_events, url_of, wait_for, weights_bytes,
 )
 
@@ -86,9 +86,7 @@ def test_operator_kill_prometheus_outage_and_a_rollout_that_cannot_start(
                             vocab=VOCAB, max_requests=3000, max_seconds=420, max_in_flight=96, seed=3)
         with load:
             # -- 1. SIGKILL while verifying -----------------------------------------------------------
-            obj = wait_for(controlplane, ns, name, lambda o: any(h["action"] == "Apply" for h in history(o)),
-                           timeout=120, what="the tuner to apply a change", operator=op)
-            apply = next(h for h in history(obj) if h["action"] == "Apply")
+            obj, apply = first_apply(controlplane, ns, name, timeout=120, operator=op)
             assert obj["status"]["tuning"]["phase"] == "Verifying" and obj["status"]["tuning"]["pending"]
             op.kill()
             killed = time.monotonic()

@@ -28,7 +28,7 @@ from tests.vllm.server import vllm_bin
 
 from .e2e_load import OpenLoopLoad
 from .test_operator_cluster import OperatorProcess, _make_namespace, crd, eventually, get  # noqa: F401
-from .test_tuner_e2e import LABEL, history, start_engine, url_of, wait_for
+from .test_tuner_e2e import LABEL, first_apply, history, start_engine, url_of, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
 VOCAB = 512
@@ -151,9 +151,7 @@ def test_operator_applies_and_keeps_more_sequences_on_a_real_vllm_pod(controlpla
     load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=10.0, prompt_tokens=32, output_tokens=32,
                         vocab=VOCAB, max_requests=6000, max_seconds=480, max_in_flight=32, seed=5)
     with load:
-        obj = wait_for(controlplane, ns, name, lambda o: any(h["action"] == "Apply" for h in history(o)),
-                       timeout=240, what="the change to be applied", operator=op)
-        apply = next(h for h in history(obj) if h["action"] == "Apply")
+        obj, apply = first_apply(controlplane, ns, name, timeout=240, operator=op)
         sys.stderr.write(f"applied after {time.monotonic() - t0:.0f}s: {apply}\n")
         assert apply["cause"] == "SequenceCap" and apply["restart"] is True
         assert apply["before"]["maxNumSeqs"] == 2 and apply["after"]["maxNumSeqs"] > 2

@@ -194,10 +194,6 @@ def fitted(obs: Observation, base: Profile | None, *, min_samples: int = 50,
     return profile_for(obs, base, fit, timeline), fit
 
 
-def _field(r: Any, name: str) -> Any:
-    return getattr(r, name) if isinstance(r, TraceRequest) else dict(r).get(name)
-
-
 def window_summary(full: Mapping[str, Any], start: float, slo: SLO,
                    scored: Callable[[Mapping[str, Any]], bool] | None = None) -> dict[str, Any]:
     """A replay's summary (``simulate(..., per_request=True)``) over the requests that finished at or
