@@ -78,7 +78,7 @@ def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSe
         max_preemptions_per_min=o.max_preemptions_per_minute if o else None,
         cooldown_s=plan.cooldown_s, bad_memory_s=max(3600.0, 4 * plan.cooldown_s),
         live_knobs=frozenset() if spec.runtime == "vllm" else None)  # vLLM: every change is a restart
-    return TunerSettings(bounds=bounds, objectives=objectives)
+    return TunerSettings(bounds=bounds, objectives=objectives, vllm=spec.runtime == "vllm")
 
 
 def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploymentSpec,

@@ -1,5 +1,6 @@
-"""The requests still in the engine join the window's trace (tuner.backlog): estimated lengths, and
-what a replay of the survivors alone gets wrong under a deep queue."""
+"""The requests still in the engine join the window's trace (tuner.backlog): estimated lengths, what a
+replay of the survivors alone gets wrong under a deep queue, and the next window scored from the
+queue a change starts from; a vLLM engine predicted under vLLM's policy."""
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,12 @@ from kvtune_engine.config import EngineConfig
 from kvtune_engine.sim.profile import load_profile
 from kvtune_engine.sim.simulator import SLO, simulate
 from kvtune_engine.sim.trace import TraceRequest
+from kvtune_engine.sim.vllm_policy import QUEUE_CLOCK, vllm_v1_config
+from kvtune_operator.effective import AutotunePlan
+from kvtune_operator.model import AutotuneMode, InferenceDeploymentSpec
 from kvtune_operator.tuner.backlog import WindowTrace, estimated_output, in_engine, with_unfinished
 from kvtune_operator.tuner.predict import Predictor, as_trace
+from kvtune_operator.tuning import tuner_settings
 
 
 def test_estimated_output_is_the_median_of_longer_finished_outputs_within_the_cap():
@@ -81,3 +86,18 @@ def test_the_next_window_is_scored_with_the_queue_a_change_starts_from():
     s = nxt.predict(arrivals, big)
     assert s["requests_finished"] == len(arrivals)
     assert s["output_tokens_per_s"] * s["duration_s"] == pytest.approx(128 * (len(arrivals) + 100))
+
+
+def test_a_vllm_engine_is_predicted_under_vllms_policy():
+    # spec.runtime vllm: the replay chunks every prefill and starts queue time at intake, as vLLM V1
+    # does, whatever the config says (the operator's settings carry the runtime)
+    prof, slo = load_profile("a100-llama3-8b"), SLO(ttft_s=2.0)
+    cfg = EngineConfig(max_num_seqs=8, enable_chunked_prefill=False)
+    trace = [TraceRequest(i / 6.0, 3000, 64) for i in range(60)]
+    got = Predictor(prof, slo, vllm=True).predict(trace, cfg)
+    want = simulate(list(trace), vllm_v1_config(cfg), prof, slo, queue_clock=QUEUE_CLOCK)
+    assert got == want and got != Predictor(prof, slo).predict(trace, cfg)
+    plan = AutotunePlan(AutotuneMode.APPLY, 8.0, 20.0, 60.0, "http://prometheus:9090")
+    for runtime in ("vllm", "kvtune"):
+        spec = InferenceDeploymentSpec.model_validate({"model": {"path": "/m"}, "runtime": runtime})
+        assert tuner_settings(spec, plan).vllm is (runtime == "vllm")

@@ -45,6 +45,8 @@ class TunerSettings:
     healthy_goodput_share: float = 0.95
     #: most replicas a compute-bound prediction tries (spec.autotune.bounds.replicas.max in a cluster)
     max_replicas: int = 8
+    #: the engine is vLLM (spec.runtime): predictions replay its scheduling policy
+    vllm: bool = False
 
     @property
     def slo(self) -> SLO:
@@ -111,8 +113,8 @@ class Tuner:
                 before = EngineConfig.model_validate(st.pending.before)
                 # the old config on this window, with the backlog the window inherited when the
                 # trace before it is known (``lead``, in the records' clock, up to ``window_start``)
-                old = Predictor(profile, s.slo).predict_window(lead, trace, before, window_start) \
-                    if lead and window_start is not None else Predictor(profile, s.slo).predict(tr, before)
+                old = Predictor(profile, s.slo, vllm=s.vllm).predict_window(lead, trace, before, window_start) \
+                    if lead and window_start is not None else Predictor(profile, s.slo, vllm=s.vllm).predict(tr, before)
                 counterfactual = window_figures(old) if old is not None else None
             verdict, nxt = st.verify(measured_figures(obs), now, s.objectives, counterfactual)
             if not verdict.keep:
@@ -131,7 +133,7 @@ class Tuner:
             profile, fit = fitted(obs, self.base_profile)
         # every config is scored on the next window: the requests in the engine now, then arrivals
         # like this window's (``Predictor``)
-        pred = Predictor(profile, s.slo, backlog=in_engine([*lead, *trace]))
+        pred = Predictor(profile, s.slo, backlog=in_engine([*lead, *trace]), vllm=s.vllm)
         baseline = pred.predict(tr, cfg)
         if baseline is None:
             return Round(now, obs, diag, cfg, verdict=verdict, fit=fit,

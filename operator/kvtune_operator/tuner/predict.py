@@ -17,6 +17,7 @@ from kvtune_engine.config import ConfigError, EngineConfig
 from kvtune_engine.sim.profile import Profile, SpeedTimeline
 from kvtune_engine.sim.simulator import SLO, percentile, simulate
 from kvtune_engine.sim.trace import TraceRequest, parse_request
+from kvtune_engine.sim.vllm_policy import QUEUE_CLOCK, vllm_v1_config
 
 from .fit import StepCostFit, fit_step_cost, speed_timeline
 from .observation import GiB, Observation, StepSample
@@ -123,19 +124,30 @@ class Predictor:
     * *what a window would have been* under another config (``window_start``: a verdict's
       counterfactual): the trace is the window (in the records' own clock) and ``lead`` the requests
       that arrived before it; the lead runs first and the figures count the requests that finish
-      inside the window, as the engine's histograms do (``window_summary``)."""
+      inside the window, as the engine's histograms do (``window_summary``).
+
+    ``vllm``: the engine is vLLM V1, replayed under its policy (``sim.vllm_policy``: always-chunked
+    prefill, recompute-only preemption, queue time from intake)."""
     profile: Profile
     slo: SLO = field(default_factory=SLO)
     lead: Sequence[TraceRequest] = ()
     window_start: float | None = None
     backlog: Sequence[TraceRequest] = ()
+    vllm: bool = False
     runs: int = 0
     _cache: dict[str, Mapping[str, Any] | None] = field(default_factory=dict, repr=False)
     _trace_id: int | None = field(default=None, repr=False)
 
     @classmethod
-    def for_window(cls, profile: Profile, slo: SLO, lead: Sequence[Any], window_start: float) -> "Predictor":
-        return cls(profile, slo, as_trace(lead, rebase=False), window_start)
+    def for_window(cls, profile: Profile, slo: SLO, lead: Sequence[Any], window_start: float, *,
+                   vllm: bool = False) -> "Predictor":
+        return cls(profile, slo, as_trace(lead, rebase=False), window_start, vllm=vllm)
+
+    def _simulate(self, trace: list[TraceRequest], cfg: EngineConfig, per_request: bool = False) -> dict:
+        if self.vllm:
+            return simulate(trace, vllm_v1_config(cfg), self.profile, self.slo, per_request=per_request,
+                            queue_clock=QUEUE_CLOCK)
+        return simulate(trace, cfg, self.profile, self.slo, per_request=per_request)
 
     def predict(self, trace: Sequence[TraceRequest], cfg: EngineConfig) -> Mapping[str, Any] | None:
         """The simulator summary, or None when the config does not fit the device (no KV block fits,
@@ -152,22 +164,21 @@ class Predictor:
                 return None
             self.runs += 1
             if self.window_start is not None:
-                full = simulate([*self.lead, *trace], cfg, self.profile, self.slo, per_request=True) \
-                    if trace or self.lead else None
+                full = self._simulate([*self.lead, *trace], cfg, per_request=True) if trace or self.lead else None
                 self._cache[key] = full and window_summary(full, self.window_start, self.slo)
             elif self.backlog:
                 n = len(self.backlog)
-                full = simulate([*self.backlog, *trace], cfg, self.profile, self.slo, per_request=True)
+                full = self._simulate([*self.backlog, *trace], cfg, per_request=True)
                 self._cache[key] = window_summary(full, 0.0, self.slo, scored=lambda r: int(r["id"][1:]) >= n)
             else:
-                self._cache[key] = simulate(list(trace), cfg, self.profile, self.slo)
+                self._cache[key] = self._simulate(list(trace), cfg)
         return self._cache[key]
 
     def predict_window(self, lead: Sequence[Any], window: Sequence[Any], cfg: EngineConfig,
                        window_start: float) -> Mapping[str, Any] | None:
         """``cfg`` replayed on the ``window`` records with the backlog ``lead`` it inherited (see the
         class docstring), without this predictor's cache."""
-        p = Predictor.for_window(self.profile, self.slo, lead, window_start)
+        p = Predictor.for_window(self.profile, self.slo, lead, window_start, vllm=self.vllm)
         return p.predict(as_trace(window, rebase=False), cfg)
 
     def predict_many(self, trace: Sequence[TraceRequest], cfgs: Iterable[EngineConfig]
