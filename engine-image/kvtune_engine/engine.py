@@ -217,11 +217,12 @@ class LLMEngine:
     def trace(self, since_s: float | None = None, limit: int | None = None, *,
               unfinished: bool = False) -> dict[str, Any]:
         """Recent request shapes (finished requests, arrival order), in ``kvtune sim``'s trace format;
-        ``unfinished``: also the requests still in the engine (``OutputProcessor.in_flight``)."""
+        ``unfinished``: also every request still in the engine, whenever it arrived
+        (``OutputProcessor.in_flight``: the queue a change starts from)."""
         with self.lock:
             view = self.recorder.view(since_s, limit)
             if unfinished:
-                view["unfinished"] = self.outputs.in_flight(since_s)
+                view["unfinished"] = self.outputs.in_flight()
         return {"start_unix_s": self.start_unix_s, "now_s": round(self.clock() - self.start_s, 6), **view}
 
     def steps(self, limit: int | None = None) -> list[dict[str, Any]]:

@@ -89,14 +89,15 @@ class OutputProcessor:
         self.tracked[req.request_id] = tr
         self.counters["requests_added"] += 1
 
-    def in_flight(self, since_s: float | None = None) -> list[dict[str, Any]]:
-        """The trace entries of the requests not finished yet (arrival order), with what is known of
-        their output: ``generated_tokens`` so far and the ``max_tokens`` cap. A replay of the finished
-        requests alone sees a queue's survivors, never the load that built it."""
+    def in_flight(self) -> list[dict[str, Any]]:
+        """The trace entries of every request not finished yet (arrival order, however long ago it
+        arrived), with what is known of its output: ``generated_tokens`` so far and the ``max_tokens``
+        cap. A replay of the finished requests alone sees a queue's survivors, never the load that
+        built it."""
         out = []
         for tr in self.tracked.values():
             e = tr.trace_entry
-            if e is None or (since_s is not None and e["arrival_s"] <= since_s):
+            if e is None:
                 continue
             live = {k: v for k, v in e.items() if k != "output_tokens"}
             live.update(generated_tokens=len(tr.request.output_token_ids), max_tokens=tr.request.sampling.max_tokens)

@@ -74,7 +74,8 @@ def test_trace_unfinished_lists_the_requests_still_in_the_engine(tiny_llama):  #
                 tasks = [asyncio.create_task(c.post(s.url + "/v1/completions", json=body)) for _ in range(2)]
                 seen = None
                 for _ in range(400):
-                    t = (await c.get(s.url + "/kvtune/v1/trace", params={"unfinished": "true"})).json()
+                    # since_s filters the finished requests, never the ones still in the engine
+                    t = (await c.get(s.url + "/kvtune/v1/trace", params={"unfinished": "true", "since_s": 1e9})).json()
                     live = t["unfinished"]
                     if len(live) == 2 and live[0]["generated_tokens"] > 0:
                         seen = t
@@ -86,6 +87,7 @@ def test_trace_unfinished_lists_the_requests_still_in_the_engine(tiny_llama):  #
                 return seen, after, plain
         seen, after, plain = asyncio.run(go())
     assert seen is not None, "never saw one request running and one waiting"
+    assert seen["requests"] == []
     running, waiting = seen["unfinished"]
     assert 0 < running["generated_tokens"] < 300 and waiting["generated_tokens"] == 0
     assert running["max_tokens"] == waiting["max_tokens"] == 300
