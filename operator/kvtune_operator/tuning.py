@@ -95,7 +95,7 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
         objectives = tuner_settings(spec, plan).objectives
         obs, trace, window = gather_vllm(plan, namespace, name, running or baseline_config(spec), window,
                                          slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s,
-                                         timeout_s=timeout_s, min_window_s=MIN_WINDOW_S)
+                                         timeout_s=timeout_s)
         return Gathered(obs, trace, window, trace_synthesized=True)
     w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s)
     errors, young = [], []

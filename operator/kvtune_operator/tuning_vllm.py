@@ -97,18 +97,21 @@ def _engines_changed(series: list[dict[str, Any]], window: float, now: float) ->
 
 def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, window: float, *,
                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = 10.0,
-                min_window_s: float = 10.0, now: float | None = None):
-    """(Observation, synthesized trace, window) of the vLLM pods of one InferenceDeployment."""
+                now: float | None = None):
+    """(Observation, synthesized trace, window) of the vLLM pods of one InferenceDeployment.
+
+    No window that spans a change of the engines is judged: after a rollout the tuner waits for a
+    whole window of the new engines alone. A new vLLM's first seconds of serving (its first batches,
+    the queue that waited for the rollout arriving at once) are no measure of its knobs: judged on
+    the 10-15 s after it came up, a change that raised goodput 6x in its steady state was rolled back
+    as "goodput fell 92%"."""
     w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s, runtime="vllm")
     now = time.time() if now is None else now
     at, new = _engines_changed(w.series or [], window, now)
-    if at is not None and now - at < window:  # a rollout inside the window: judge only the engines after it
-        window = now - at
-        if window < min_window_s:
-            raise MetricsUnavailable("WindowTooShort", f"the vLLM engines changed {window:.0f}s ago "
-                                     f"({', '.join(new) or 'an engine left'}); waiting for metrics from them")
-        w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s,
-                        new_instances=new, runtime="vllm")
+    if at is not None and now - at < window:
+        raise MetricsUnavailable("WindowTooShort", f"the vLLM engines changed {now - at:.0f}s ago "
+                                 f"({', '.join(new) or 'an engine left'}); waiting for a whole {window:.0f}s "
+                                 "window of theirs")
     assume = VllmAssumptions(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
                              max_model_len=config.max_model_len, given_by="the pods' command line")
     reading = read_vllm(w.figures, gauge_samples(w.series or []), window_s=window, assume=assume,

@@ -5,10 +5,10 @@ knob a vLLM flag) with the real vLLM of ``tests/vllm/setup.sh``; Prometheus scra
 like any engine pod's; the operator (a subprocess, Recommend mode) reads vLLM's series from
 Prometheus. Under a load bound by ``maxNumSeqs 2`` with the KV cache almost empty, it names the
 sequence cap and recommends a higher maxNumSeqs, predicted on a trace synthesized from vLLM's
-histograms (said so in status), and changes nothing (Recommend). In Apply mode the same load gets
-the change: the Deployment rolls, a new vLLM process serves with the higher cap while the old one
-serves until it is ready (no request fails), and the change is verified on the new pod's window
-and kept. A missing vLLM fails the tests.
+histograms (said so in status), and changes nothing (Recommend). Switched to Apply, under the same
+load, it makes the change: the Deployment rolls, a new vLLM process serves with the higher cap while
+the old one serves until it is ready (no request fails), and the change is verified on the new pod's
+window and kept. A missing vLLM fails the test.
 """
 from __future__ import annotations
 
@@ -103,54 +103,47 @@ def infd(name: str, model: Path, cache: Path, mode: str = "Recommend") -> str:
     return yaml.safe_dump(body)
 
 
-def test_operator_recommends_more_sequences_for_a_real_vllm_pod(controlplane, pod_node, vllm_ns, vllm_model,
-                                                                 vllm_run):
+def test_operator_recommends_then_applies_and_keeps_more_sequences_on_a_real_vllm_pod(
+        controlplane, pod_node, vllm_ns, vllm_model, vllm_run):
+    # one vLLM pod for both modes (each vLLM start costs a minute or more on two cores)
     ns, name = vllm_ns, "vllm-seqcap"
     op, cache = vllm_run
     t0 = time.monotonic()
     controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd(name, vllm_model, cache))
-    local = start_engine(controlplane, pod_node, ns, name, timeout=420)
-    sys.stderr.write(f"vLLM pod serving after {time.monotonic() - t0:.0f}s: {' '.join(local.argv[:4])} ...\n")
-    assert Path(local.argv[0]) == vllm_bin() and local.argv[1] == "serve"
-    argv = local.argv
+    old = start_engine(controlplane, pod_node, ns, name, timeout=420)
+    sys.stderr.write(f"vLLM pod serving after {time.monotonic() - t0:.0f}s: {' '.join(old.argv[:4])} ...\n")
+    assert Path(old.argv[0]) == vllm_bin() and old.argv[1] == "serve"
+    argv = old.argv
     assert argv[argv.index("--max-num-seqs") + 1] == "2" and "--no-enable-prefix-caching" in argv
-    # 10 requests/s of 32 + 32 tokens: two sequences at a time cannot keep up
+    # 10 requests/s of 32 + 32 tokens: two sequences at a time cannot keep up. At most 32 in flight:
+    # the backlog built while the new pod of the Apply starts (a minute or two) reaches it at once,
+    # and 128 of them would take its first window to drain
     load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=10.0, prompt_tokens=32, output_tokens=32,
-                        vocab=VOCAB, max_requests=3000, max_seconds=240, max_in_flight=128, seed=3)
+                        vocab=VOCAB, max_requests=8000, max_seconds=600, max_in_flight=32, seed=5)
     with load:
+        # 1. Recommend: the cause and a higher maxNumSeqs in status, nothing changed
         obj = wait_for(controlplane, ns, name,
                        lambda o: ((o.get("status") or {}).get("tuning") or {}).get("phase") == "Recommended",
                        timeout=240, what="a recommendation", operator=op)
-    st = obj["status"]
-    rec = st["tuning"]["lastChange"]
-    sys.stderr.write(f"recommendation: {rec}\n")
-    assert rec["action"] == "Recommend" and rec["cause"] == "SequenceCap", rec
-    assert rec["before"]["maxNumSeqs"] == 2 and rec["after"]["maxNumSeqs"] > 2
-    assert rec["restart"] is True                      # vLLM changes no knob live
-    assert st["diagnosis"]["cause"] == "SequenceCap"
-    assert st["tuning"]["traceSource"] == "synthesized"
-    metrics = next(c for c in st["conditions"] if c["type"] == "MetricsAvailable")
-    assert metrics["status"] == "True" and "synthesized from vLLM's histograms" in metrics["message"]
-    assert load.stats.ok > 0
-    # Recommend: nothing changed; the same vLLM process still runs with maxNumSeqs 2
-    dep = get(controlplane, "deployment", name, ns)
-    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--max-num-seqs") + 1] == "2"
-    assert pod_node.get(ns, local.name).returncode is None
+        st = obj["status"]
+        rec = st["tuning"]["lastChange"]
+        sys.stderr.write(f"recommendation after {time.monotonic() - t0:.0f}s: {rec}\n")
+        assert rec["action"] == "Recommend" and rec["cause"] == "SequenceCap", rec
+        assert rec["before"]["maxNumSeqs"] == 2 and rec["after"]["maxNumSeqs"] > 2
+        assert rec["restart"] is True                      # vLLM changes no knob live
+        assert st["diagnosis"]["cause"] == "SequenceCap"
+        assert st["tuning"]["traceSource"] == "synthesized"
+        metrics = next(c for c in st["conditions"] if c["type"] == "MetricsAvailable")
+        assert metrics["status"] == "True" and "synthesized from vLLM's histograms" in metrics["message"]
+        assert load.stats.ok > 0
+        dep = get(controlplane, "deployment", name, ns)
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--max-num-seqs") + 1] == "2"
+        assert pod_node.get(ns, old.name).returncode is None  # the same vLLM process
 
-
-def test_operator_applies_and_keeps_more_sequences_on_a_real_vllm_pod(controlplane, pod_node, vllm_ns, vllm_model,
-                                                                     vllm_run):
-    ns, name = vllm_ns, "vllm-apply"
-    op, cache = vllm_run
-    t0 = time.monotonic()
-    controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd(name, vllm_model, cache, mode="Apply"))
-    old = start_engine(controlplane, pod_node, ns, name, timeout=420)
-    # at most 32 in flight: the backlog built while the new pod starts (a minute or two) reaches the
-    # new pod at once, and 128 of them would take its first window to drain
-    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=10.0, prompt_tokens=32, output_tokens=32,
-                        vocab=VOCAB, max_requests=6000, max_seconds=480, max_in_flight=32, seed=5)
-    with load:
+        # 2. Apply: the change rolls out, the old pod serves until the new one is ready
+        controlplane.kubectl("patch", "infd", name, "-n", ns, "--type", "merge",
+                             "-p", '{"spec": {"autotune": {"mode": "Apply"}}}')
         obj, apply = first_apply(controlplane, ns, name, timeout=240, operator=op)
         sys.stderr.write(f"applied after {time.monotonic() - t0:.0f}s: {apply}\n")
         assert apply["cause"] == "SequenceCap" and apply["restart"] is True

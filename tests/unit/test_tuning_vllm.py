@@ -1,8 +1,10 @@
-"""gather_vllm's window across a rollout: only the vLLM engines running now, from their first scrape.
+"""gather_vllm's window across a rollout: a whole window of the vLLM engines running now, from their
+first scrape.
 
 A new vLLM pod's process starts a minute or more before it serves (and Prometheus first scrapes it);
 the old pod serves, and is scraped, until the new one is ready. A window judged back to the new
-process' start would be the old pod's (regression: a restart change was rolled back on such a window).
+process' start would be the old pod's (regression: a restart change was rolled back on such a window),
+and one of the new pod's first seconds its start-up (regression: a 6x gain rolled back as a 92% fall).
 """
 from __future__ import annotations
 
@@ -51,28 +53,31 @@ def gather(window: float = 20.0):
     return tuning_vllm.gather_vllm(Plan(), "ns", "d", EngineConfig(max_num_seqs=64), window, now=NOW)
 
 
-def test_after_a_rollout_the_window_starts_when_the_old_engine_was_last_scraped(prometheus):
+def test_a_window_that_spans_a_rollout_waits_for_the_new_engines_alone(prometheus):
     # the new engine's process started 140 s ago, it serves since 15 s ago, the old one left 12 s ago
     prometheus.series = (series(OLD, NOW - 30, NOW - 12, 2, NOW - 400) +
                          series(NEW, NOW - 15, NOW, 10, NOW - 140))
+    with pytest.raises(MetricsUnavailable) as e:
+        gather()
+    assert e.value.reason == "WindowTooShort" and "12s ago (an engine left)" in str(e.value)
+    assert "whole 20s window" in str(e.value)
+
+
+def test_after_a_rollout_a_whole_window_of_the_new_engine_is_judged(prometheus):
+    prometheus.series = (series(OLD, NOW - 60, NOW - 25, 2, NOW - 400) +
+                         series(NEW, NOW - 28, NOW, 10, NOW - 140))
     _, _, window = gather()
-    assert window == 12.0
-    assert prometheus.calls[-1] == (12.0, [])         # scraped before the window: its counters have a base
+    assert window == 20.0 and prometheus.calls == [(20.0, [])]
     assert all(s["metric"]["instance"] == NEW for s in tuning_vllm.read_window(
         "", "ns", "d", window).series)                # the old engine is not in the judged window
 
 
-def test_a_new_engine_is_judged_from_its_first_scrape_not_its_process_start(prometheus):
+def test_a_new_engine_counts_from_its_first_scrape_not_its_process_start(prometheus):
+    # started 140 s ago (longer than the window), serving for 14 s: not yet a window of its own
     prometheus.series = series(NEW, NOW - 14, NOW, 10, NOW - 140)
-    _, _, window = gather()
-    assert window == 14.0 and prometheus.calls[-1] == (14.0, [NEW])
-
-
-def test_too_short_a_window_since_the_rollout_waits(prometheus):
-    prometheus.series = series(OLD, NOW - 30, NOW - 4, 2, NOW - 400) + series(NEW, NOW - 6, NOW, 10, NOW - 140)
     with pytest.raises(MetricsUnavailable) as e:
         gather()
-    assert e.value.reason == "WindowTooShort" and NEW in str(e.value)
+    assert e.value.reason == "WindowTooShort"
 
 
 def test_the_same_engines_all_along_keep_the_whole_window(prometheus):
