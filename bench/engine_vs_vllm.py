@@ -45,8 +45,7 @@ import aiohttp  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.vllm.server import (VllmNotInstalled, VllmServer, free_port, spawn_logged, vllm_bin,  # noqa: E402
-                               wait_healthy)
+from tests.vllm.server import LoggedServer, VllmNotInstalled, VllmServer, free_port, vllm_bin  # noqa: E402
 
 MODEL = dict(arch="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, intermediate=1536)
 NAME = "bench"
@@ -127,7 +126,9 @@ class RssSampler:
 
 
 # ---------------------------------------------------------------- the servers
-class KvtuneServer:
+class KvtuneServer(LoggedServer):
+    what = "kvtune serve"
+
     def __init__(self, model_dir: Path, run_dir: Path, threads: int):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -141,31 +142,7 @@ class KvtuneServer:
                      "--log-level", "warning"]
         # a crash in native code (or a kill) must leave a trace in the log
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONFAULTHANDLER": "1"}
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout_s: float = 300.0):
-        self.proc = spawn_logged(self.argv, self.env, self.log_path)
-        try:
-            wait_healthy(self.proc, self.url, timeout_s, "kvtune serve", self.log_tail)
-        except TimeoutError:
-            self.stop()
-            raise
-        return self
-
-    def log_tail(self, n: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-
-    def stop(self):
-        p, self.proc = self.proc, None
-        if p is not None and p.poll() is not None:
-            print(f"  kvtune serve had exited with status {p.returncode}", file=sys.stderr)
-        if p is not None and p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait(5)
+        self.proc = None
 
 
 # ---------------------------------------------------------------- the client
@@ -269,7 +246,7 @@ def run_engine(which: str, model_dir: Path, run_dir: Path, reqs, a) -> dict:
         r = asyncio.run(measure(srv.url, reqs, a.stream_requests, a.concurrency))
     except Exception:
         print(f"{which} failed; the last lines of its log {srv.log_path}:", file=sys.stderr)
-        print("\n".join(Path(srv.log_path).read_text(errors="replace").splitlines()[-40:]), file=sys.stderr)
+        print(srv.log_tail(40), file=sys.stderr)
         raise
     finally:
         r_peak = sampler.stop()

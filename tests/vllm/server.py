@@ -125,34 +125,28 @@ def serve_argv(model_dir: Path | str, port: int, args: Sequence[str] = (), kv_ca
     return argv + list(args)
 
 
-class VllmServer:
-    """One real ``vllm serve`` process on a free loopback port (context manager)."""
+class LoggedServer:
+    """A server process on a loopback port, its output in ``log_path`` (``spawn_logged``): started
+    and waited for healthy, stopped with SIGTERM to it, then SIGKILL to what is left of its session.
+    Subclasses set ``argv``, ``env``, ``url``, ``log_path`` and ``what``."""
 
-    def __init__(self, model_dir: Path | str, run_dir: Path | str, *, kv_cache_gib: float = 1.0,
-                 args: Sequence[str] = (), port: int | None = None, threads_bind: str = "0-1"):
-        self.model_dir = Path(model_dir)
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = serve_argv(self.model_dir, self.port, args, kv_cache_gib)
-        self.env = vllm_env(self.run_dir, kv_cache_gib, threads_bind)
-        self.log_path = self.run_dir / f"vllm-{self.port}.log"
-        self.proc: subprocess.Popen | None = None
+    what = "server"
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+    log_path: Path
+    cwd: Path | None = None
+    start_timeout_s = 300.0
+    proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 420.0) -> "VllmServer":
-        """Start it and wait for /health (start-up is 40-80 s of torch.compile on two cores)."""
-        self.proc = spawn_logged(self.argv, self.env, self.log_path, cwd=self.run_dir)
+    def start(self, timeout_s: float | None = None):
+        self.proc = spawn_logged(self.argv, self.env, self.log_path, cwd=self.cwd)
         try:
-            wait_healthy(self.proc, self.url, timeout_s, "vllm serve", self.log_tail)
+            wait_healthy(self.proc, self.url, timeout_s or self.start_timeout_s, self.what, self.log_tail)
         except TimeoutError:
             self.stop()
             raise
         return self
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
-            return r.read().decode()
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -161,9 +155,12 @@ class VllmServer:
             return ""
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM to the API server (it ends its engine-core child); SIGKILL the group if it lingers."""
+        """SIGTERM to the server (it ends its own children); SIGKILL its session if anything lingers."""
         p, self.proc = self.proc, None
-        if p is None or p.poll() is not None:
+        if p is None:
+            return
+        if p.poll() is not None:
+            print(f"  {self.what} had exited with status {p.returncode}", file=sys.stderr)
             return
         p.send_signal(signal.SIGTERM)
         try:
@@ -171,13 +168,37 @@ class VllmServer:
         except subprocess.TimeoutExpired:
             pass
         try:
-            os.killpg(p.pid, signal.SIGKILL)  # leftovers of its own session (engine core), if any
+            os.killpg(p.pid, signal.SIGKILL)  # leftovers of its own session (vLLM's engine core), if any
         except ProcessLookupError:
             pass
         try:
             p.wait(5)
         except subprocess.TimeoutExpired:
             pass
+
+
+class VllmServer(LoggedServer):
+    """One real ``vllm serve`` process on a free loopback port (context manager); start-up is 40-80 s
+    of torch.compile on two cores."""
+
+    what = "vllm serve"
+    start_timeout_s = 420.0
+
+    def __init__(self, model_dir: Path | str, run_dir: Path | str, *, kv_cache_gib: float = 1.0,
+                 args: Sequence[str] = (), port: int | None = None, threads_bind: str = "0-1"):
+        self.model_dir = Path(model_dir)
+        self.run_dir = self.cwd = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.argv = serve_argv(self.model_dir, self.port, args, kv_cache_gib)
+        self.env = vllm_env(self.run_dir, kv_cache_gib, threads_bind)
+        self.log_path = self.run_dir / f"vllm-{self.port}.log"
+        self.proc = None
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return r.read().decode()
 
     def __enter__(self) -> "VllmServer":
         return self.start() if self.proc is None else self
