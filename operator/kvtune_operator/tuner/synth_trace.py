@@ -73,8 +73,9 @@ def synthesize_trace(figures: MetricFigures, window_s: float, *, seed: int = 0, 
     p_tokens = int(prefix_tokens_hint or max(1, round(0.5 * mean_prompt)))
     share = min(1.0, hit_rate * mean_prompt / p_tokens) if hit_rate > 0 else 0.0
     t, out = 0.0, []
-    for i in range(min(start, max_requests) + count):
-        if i >= start:
+    held = min(start, max_requests)
+    for i in range(held + count):
+        if i >= held:
             t += rng.expovariate(rate)
         p, o = prompt(), output()
         if max_model_len:
@@ -84,7 +85,7 @@ def synthesize_trace(figures: MetricFigures, window_s: float, *, seed: int = 0, 
         if share > 0 and rng.random() < share:
             r["prefix_group"] = "synth-0"
             r["prefix_tokens"] = min(p, p_tokens)
-        if i < start:
+        if i < held:
             r["backlog"] = True
         out.append(r)
     return out
