@@ -117,7 +117,8 @@ def cases(seed: int, n: int, model: str, references: dict[str, str]) -> list[Cas
                                                 "/v1/models/" + "x" * 3000, "/v1/models/a/b"])))
         elif r < 0.95:
             q = rng.choice(["", "?limit=-1", "?limit=abc", "?since_s=nan", "?since_s=1e999", "?format=xml",
-                            "?limit=" + "9" * 5000, "?format=jsonl&limit=3"])
+                            "?limit=" + "9" * 5000, "?format=jsonl&limit=3", "?unfinished=maybe",
+                            "?unfinished=true&since_s=nan", "?unfinished=true&format=jsonl"])
             out.append(Case("GET", rng.choice(["/kvtune/v1/trace", "/kvtune/v1/steps", "/kvtune/v1/state"]) + q))
         else:
             patch = rng.choice([{"bogus": 1}, {"max_num_seqs": rng.choice(HOSTILE_VALUES)},
