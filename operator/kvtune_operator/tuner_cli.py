@@ -50,25 +50,19 @@ def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limi
 
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     with httpx.Client(timeout=timeout_s, headers=headers) as client:
-        first = MetricFigures.from_prometheus_text(_get(client, url, "/metrics").text)
+        scrape = lambda: MetricFigures.from_prometheus_text(_get(client, url, "/metrics").text)  # noqa: E731
+        started = time.monotonic()
+        first = scrape()
         if is_vllm(first):
-            scrapes = [first]
             # a gauge seen a few times is a poor sample of the queue: scrape each second at least
-            n = max(1, samples, int(window_s)) if window_s > 0 else 0
-            for _ in range(n):
-                time.sleep(window_s / n)
-                scrapes.append(MetricFigures.from_prometheus_text(_get(client, url, "/metrics").text))
+            scrapes, measured = _scrape_window(scrape, first, started, window_s,
+                                               max(1, samples, int(window_s)) if window_s > 0 else 0)
             figs = MetricFigures.over_scrapes(scrapes)
-            win = window_s if window_s > 0 else _vllm_uptime(first)
+            win = measured if window_s > 0 else _vllm_uptime(first)
             return read_vllm(figs, samples_of_scrapes(scrapes[1:] or scrapes), window_s=win,
                              assume=assume or VllmAssumptions(), slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
-        scrapes = [first]
         state0 = _get(client, url, "/kvtune/v1/state").json()
-        if window_s > 0:
-            n = max(1, samples)
-            for _ in range(n):
-                time.sleep(window_s / n)
-                scrapes.append(MetricFigures.from_prometheus_text(_get(client, url, "/metrics").text))
+        scrapes, measured = _scrape_window(scrape, first, started, window_s, max(1, samples) if window_s > 0 else 0)
         state = _get(client, url, "/kvtune/v1/state").json()
         since = None
         if window_s > 0:
@@ -76,9 +70,20 @@ def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limi
         tr = _get(client, url, "/kvtune/v1/trace", limit=trace_limit, **({"since_s": since} if since else {}))
         trace = tr.json().get("requests", [])
     figs = MetricFigures.over_scrapes(scrapes)
-    win = window_s if window_s > 0 else float(state.get("uptime_s", 0.0) or 0.0)
+    win = measured if window_s > 0 else float(state.get("uptime_s", 0.0) or 0.0)
     return Observation.from_metrics(figs, state=state, trace=trace or None, window_s=win,
                                     slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+
+
+def _scrape_window(scrape: Any, first: Any, started: float, window_s: float, n: int) -> tuple[list, float]:
+    """``first`` and ``n`` more scrapes due at even times over ``window_s``, and the seconds they
+    really span. A busy server answers /metrics late: sleeping a fixed interval after each answer
+    stretched an 8 s window to 24 s, and its rates (counted over 8 s) came out 3x too high."""
+    scrapes = [first]
+    for i in range(1, n + 1):
+        time.sleep(max(0.0, started + window_s * i / n - time.monotonic()))
+        scrapes.append(scrape())
+    return scrapes, max(window_s, time.monotonic() - started) if n else 0.0
 
 
 def _vllm_uptime(figs: Any) -> float:

@@ -76,3 +76,45 @@ def test_synthesized_trace_keeps_the_queue_the_window_inherited():
     samples = [GaugeSample(2, 38, 0.1, replica="a"), GaugeSample(2, 0, 0.1, replica="b"),
                GaugeSample(2, 50, 0.1, replica="a"), GaugeSample(2, 6, 0.1, replica="b")]
     assert in_system(samples) == (42.0, 60.0)
+
+
+def test_a_window_on_a_slow_server_counts_over_the_seconds_it_really_spans():
+    """vLLM's API server, starved by its engine on two cores, answered each /metrics ~2 s late: an 8 s
+    window took 24 s and its rates came out 3x too high. Here a real HTTP server answers 0.4 s late
+    while 10 requests finish each second: the finished rate read is ~10/s, not 10/s x (span / window)."""
+    import re
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from kvtune_operator.tuner_cli import read_engine
+
+    text, t0 = REFERENCE.read_text(), time.monotonic()
+
+    class Slow(BaseHTTPRequestHandler):
+        def do_GET(self):
+            time.sleep(0.4)
+            n = 10.0 * (time.monotonic() - t0)   # requests finished so far, each within 0.3 s
+            body = re.sub(r'^(vllm:e2e_request_latency_seconds_(?:count|bucket)\{[^}]*\}) \S+',
+                          lambda m: f"{m.group(1)} {n}", text, flags=re.M).encode()  # every bucket is >= 0.3 s
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        began = time.monotonic()
+        r = read_engine(f"http://127.0.0.1:{srv.server_port}", window_s=2.0, samples=4)
+        took = time.monotonic() - began
+    finally:
+        srv.shutdown()
+    obs = r.observation
+    assert took < 2.0 + 2 * 0.4 + 0.5            # scrapes due on a clock, not 0.5 s after each answer
+    assert obs.window_s >= 2.0 and abs(obs.window_s - took) < 0.5
+    assert 8.0 <= obs.requests_per_s <= 11.0, (obs.requests_per_s, obs.window_s, took)

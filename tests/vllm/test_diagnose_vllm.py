@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 import pytest
 
@@ -39,6 +42,18 @@ def diagnose_text(url: str, *extra: str) -> str:
                           capture_output=True, text=True, timeout=60).stdout
 
 
+def wait_for_queue(srv: VllmServer, timeout_s: float = 120.0) -> None:
+    """Until vLLM shows requests waiting: a window judged before the load reaches the engine (a slow
+    client start on a busy machine) judges an idle engine."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for fam in text_string_to_metric_families(srv.metrics()):
+            if fam.name == "vllm:num_requests_waiting" and any(s.value >= 1 for s in fam.samples):
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"no request waited in vLLM within {timeout_s:g} s of the load's start")
+
+
 def test_sequence_cap_on_real_vllm(model_dir, tmp_path):
     """max_num_seqs 2 and 96 requests at once, KV nearly empty: SequenceCap, a higher cap suggested.
     The load (48 rounds of 160 decode steps, ~20 s on a quiet machine) outlasts the 8 s window and
@@ -46,6 +61,7 @@ def test_sequence_cap_on_real_vllm(model_dir, tmp_path):
     trace = [{"arrival_s": 0.02 * i, "prompt_tokens": 48, "output_tokens": 160} for i in range(96)]
     with VllmServer(model_dir, tmp_path, kv_cache_gib=1, args=["--max-num-seqs", "2", "--max-model-len", "1024"]) as srv:
         with Background(srv.url, str(model_dir), trace) as bg:
+            wait_for_queue(srv)
             got = diagnose(srv.url, "--assume-max-num-seqs", "2")
             text = diagnose_text(srv.url, "--assume-max-num-seqs", "2")
             done = bg.join(600)
@@ -64,15 +80,21 @@ def test_sequence_cap_on_real_vllm(model_dir, tmp_path):
 
 def test_too_little_kv_memory_on_real_vllm(model_dir, tmp_path):
     """A 2 MiB KV cache (about 15 blocks of 128 tokens) and requests that grow to 3 blocks each, 16 at a time:
-    vLLM preempts; diagnose names LowKVMemory with the preemptions and the cache size."""
-    trace = [{"arrival_s": 0.02 * i, "prompt_tokens": 100, "output_tokens": 250} for i in range(24)]
+    vLLM preempts; diagnose names LowKVMemory with the preemptions and the cache size. The window opens
+    once requests wait, and the load (192 requests, about 40 rounds of 250 decode steps; 35 s here) outlasts it."""
+    trace = [{"arrival_s": 0.02 * i, "prompt_tokens": 100, "output_tokens": 250} for i in range(192)]
     args = ["--max-num-seqs", "16", "--max-model-len", "1024", "--block-size", "128"]
     with VllmServer(model_dir, tmp_path, kv_cache_gib=2 / 1024, args=args) as srv:
         with Background(srv.url, str(model_dir), trace) as bg:
+            t0 = time.monotonic()
+            wait_for_queue(srv)
             got = diagnose(srv.url, "--assume-max-num-seqs", "16")
+            judged = time.monotonic() - t0
             done = bg.join(600)
         after = diagnose(srv.url, "--assume-max-num-seqs", "16", window=0)
-    assert len(done) == 24
+    assert len(done) == 192
+    # the window lies inside the load (else it judged the tail of a drained queue, not the preemptions)
+    assert max(r["done_s"] for r in done) > judged, (judged, max(r["done_s"] for r in done))
     d = got["diagnosis"]
     assert d["cause"] == "LowKVMemory", d
     assert got["observation"]["num_blocks"] <= 16
