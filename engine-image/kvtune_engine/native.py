@@ -22,6 +22,8 @@ import torch
 log = logging.getLogger("kvtune.native")
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math", "-fno-finite-math-only"]
+#: headers every kernel may include (next to this file), copied beside each source it builds
+HEADERS = (Path(__file__).with_name("vec_math.h"),)
 
 
 def _cpu_flags() -> bytes:
@@ -30,6 +32,15 @@ def _cpu_flags() -> bytes:
                     if line.startswith("flags")).encode()
     except (OSError, StopIteration):
         return b""
+
+
+def _copy_into(f: Path, build: Path) -> None:
+    """``f`` into ``build`` unless an identical copy is there (atomically: two processes may build)."""
+    dst, data = build / f.name, f.read_bytes()
+    if not dst.exists() or dst.read_bytes() != data:
+        tmp = build / f".{f.name}.{os.getpid()}"
+        tmp.write_bytes(data)
+        os.replace(tmp, dst)
 
 
 class NativeKernel:
@@ -43,7 +54,8 @@ class NativeKernel:
         self.failed: str | None = None
 
     def key(self) -> str:
-        return hashlib.sha256(_cpu_flags() + self.source.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+        data = self.source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
+        return hashlib.sha256(_cpu_flags() + data + torch.__version__.encode()).hexdigest()[:12]
 
     def _build(self):
         from torch.utils.cpp_extension import load  # the loader pulls in setuptools: only when building
@@ -53,12 +65,9 @@ class NativeKernel:
         build.mkdir(parents=True, exist_ok=True)
         # compile a copy inside the build folder: ninja keys on the source's path, and two checkouts
         # (worktrees, an installed wheel) sharing one cache would otherwise rebuild each other's object
+        for f in (self.source, *HEADERS):
+            _copy_into(f, build)
         src = build / self.source.name
-        data = self.source.read_bytes()
-        if not src.exists() or src.read_bytes() != data:
-            tmp = build / f".{self.source.name}.{os.getpid()}"
-            tmp.write_bytes(data)
-            os.replace(tmp, src)
         return load(name=f"kvtune_{stem}_{key}", sources=[str(src)], build_directory=str(build),
                     extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
 

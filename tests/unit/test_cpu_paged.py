@@ -104,3 +104,30 @@ def test_runner_kernel_matches_reference(tiny_model, drive, arch):
     assert [t for t, _ in got] == [t for t, _ in want]
     torch.testing.assert_close(torch.tensor([lp for _, l in got for lp in l]),
                                torch.tensor([lp for _, l in want for lp in l]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 37, 700])
+def test_kv_write_matches_the_reference_write(dtype, tokens):
+    """The step's K/V, views into a wider qkv row as the model passes them, at shuffled slots."""
+    from kvtune_engine.attention import AttentionMetadata, write_kv
+    hk, d, bs, nb = 4, 64, 16, 64
+    g = torch.Generator().manual_seed(tokens)
+    kc, vc = torch.randn(hk, nb, bs, d, generator=g).to(dtype), torch.randn(hk, nb, bs, d, generator=g).to(dtype)
+    qkv = torch.randn(tokens, (8 + 2 * hk) * d, generator=g).to(dtype)
+    k = qkv[:, 8 * d:(8 + hk) * d].view(tokens, hk, d)
+    v = qkv[:, (8 + hk) * d:].view(tokens, hk, d)
+    meta = AttentionMetadata(bs, torch.randperm(nb * bs, generator=g)[:tokens])
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv(want_k, want_v, k, v, meta)
+    cpu_paged.write_kv_cpu(kc, vc, k, v, meta)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
+def test_kv_write_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    from kvtune_engine.attention import AttentionMetadata
+    kc, vc = torch.zeros(2, 4, 8, 32), torch.zeros(2, 4, 8, 32)
+    k = v = torch.ones(3, 2, 32)
+    with pytest.raises(RuntimeError, match="slot 32 outside the cache's 32"):
+        cpu_paged.write_kv_cpu(kc, vc, k, v, AttentionMetadata(8, torch.tensor([0, 5, 32])))
+    assert not kc.any() and not vc.any()

@@ -6,8 +6,8 @@ reads each block in place, once. Without a compiler it is unavailable and the re
 `KVTUNE_CPU_ATTENTION=reference` forces the reference.
 
 Invariant owned here: `paged_decode_cpu` has the signature and the results of
-`reference.paged_decode_reference` (tests/unit/test_cpu_paged.py compares them); `check()` runs one
-small case against the reference.
+`reference.paged_decode_reference`, and `write_kv_cpu` those of `metadata.write_kv`
+(tests/unit/test_cpu_paged.py compares them); `check()` runs one small case of each.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..native import NativeKernel
+from .metadata import AttentionMetadata, write_kv
 from .reference import paged_decode_reference
 
 KERNEL = NativeKernel(Path(__file__).with_name("cpu_paged.cpp"), "CPU paged-attention kernel")
@@ -44,6 +45,17 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return mod.paged_decode(q, k_cache, v_cache, block_tables, context_lens, float(scale))
 
 
+def write_kv_cpu(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+    """`metadata.write_kv` with one copy per token and head (the kernel checks every slot's bounds);
+    the PyTorch path where the kernel's layout does not apply (another dtype, a strided head)."""
+    mod = load_kernel()
+    if (mod is None or k.dtype != k_cache.dtype or v.dtype != v_cache.dtype or k.stride(1) != k.shape[2]
+            or v.stride(1) != v.shape[2] or k.stride(2) != 1 or v.stride(2) != 1):
+        return write_kv(k_cache, v_cache, k, v, meta)
+    mod.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+
+
 def check() -> None:
     """One ragged GQA case against the reference (raises AssertionError on a mismatch)."""
     g = torch.Generator().manual_seed(0)
@@ -55,3 +67,9 @@ def check() -> None:
     ref = paged_decode_reference(q, kc, vc, bt, lens, d ** -0.5)
     got = paged_decode_cpu(q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), d ** -0.5)
     assert torch.allclose(ref, got, atol=1e-5, rtol=1e-4), (ref - got).abs().max()
+    k, v = torch.randn(5, hk, d, generator=g), torch.randn(5, hk, d, generator=g)
+    meta = AttentionMetadata(bs, torch.randperm(nb * bs, generator=g)[:5])
+    want_k, want_v = kc.clone(), vc.clone()
+    write_kv(want_k, want_v, k, v, meta)
+    write_kv_cpu(kc, vc, k, v, meta)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)

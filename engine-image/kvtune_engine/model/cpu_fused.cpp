@@ -7,9 +7,16 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 
+#include "vec_math.h"
+
 namespace {
+
+// Rows per task so that each task has ~64K elements: waking the second thread (a futex with
+// GOMP_SPINCOUNT=0) costs more than a few thousand elements of work, as in a 32-row decode step.
+inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, row_elems)); }
 
 // out[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)); x rows may be strided, out contiguous
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
@@ -22,7 +29,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, n, 16, [&](int64_t b, int64_t end) {
+  at::parallel_for(0, n, grain(h), [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
       const float* r = xp + t * xs;
       float ss = 0.f;
@@ -48,7 +55,7 @@ void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, n, 16, [&](int64_t b, int64_t end) {
+  at::parallel_for(0, n, grain(nh * d), [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
       const float* c = cp + t * half;
       const float* s = sp + t * half;
@@ -74,13 +81,13 @@ torch::Tensor silu_and_mul(torch::Tensor gu) {
   auto out = torch::empty({n, m}, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n, 8, [&](int64_t b, int64_t end) {
+  at::parallel_for(0, n, grain(2 * m), [&](int64_t b, int64_t end) {
     for (int64_t t = b; t < end; ++t) {
       const float* g = gp + t * gs;
       const float* u = g + m;
       float* o = op + t * m;
 #pragma omp simd
-      for (int64_t i = 0; i < m; ++i) o[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+      for (int64_t i = 0; i < m; ++i) o[i] = g[i] / (1.f + kvtune::exp_approx(-g[i])) * u[i];
     }
   });
   return out;

@@ -52,7 +52,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None, meta: AttentionMetadata,
-                decode_fn=None) -> torch.Tensor:
+                decode_fn=None, write_fn=write_kv) -> torch.Tensor:
         c = self.cfg
         t = h.shape[0]
         qkv = self.qkv(self.input_norm(h))
@@ -66,7 +66,7 @@ class DecoderLayer(nn.Module):
             q, k = qk[:, :c.num_heads], qk[:, c.num_heads:]
         kc, vc = kv_cache if kv_cache is not None else (None, None)
         if kc is not None and meta.slot_mapping is not None:
-            write_kv(kc, vc, k, v, meta)
+            write_fn(kc, vc, k, v, meta)
         o = paged_attention(q, k, v, kc, vc, meta, self.scale, decode_fn)
         h = self.o.add_to(h, o.view(t, c.q_size))
         return self.down.add_to(h, silu_and_mul(self.gate_up(self.post_norm(h))))
@@ -88,6 +88,7 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(self.embed if lm_head is None else lm_head)  # tied: shares embed's storage
         self.register_buffer("inv_freq", cfg.inv_freq().to(embed.device), persistent=False)
         self.decode_fn = None  # set by the runner (Triton on CUDA); None: PyTorch reference
+        self.write_fn = write_kv  # the KV write; the runner sets the compiled one on CPU
 
     @property
     def dtype(self) -> torch.dtype:
@@ -103,7 +104,7 @@ class CausalLM(nn.Module):
         h = F.embedding(input_ids, self.embed)
         cos, sin = self.rope(positions)
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, None if kv_caches is None else kv_caches[i], meta, self.decode_fn)
+            h = layer(h, cos, sin, None if kv_caches is None else kv_caches[i], meta, self.decode_fn, self.write_fn)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,8 @@ class ModelRunner:
             self.model.decode_fn = triton_decode.paged_decode_triton
         elif not cuda and cpu_paged.enabled():
             self.model.decode_fn = cpu_paged.paged_decode_cpu
+        if not cuda and cpu_paged.enabled():
+            self.model.write_fn = cpu_paged.write_kv_cpu
         if not cuda:
             # build or load the fused ops now, not in the first request's step (a cold build is
             # 30-60 s: the engine is not ready before it, and no step's timing carries it)
