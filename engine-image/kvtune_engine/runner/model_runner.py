@@ -25,6 +25,7 @@ from ..config import EngineConfig
 from ..core.batch import Batch, ScheduledSeq, SeqStep, Step, StepOutput
 from ..kv.sizing import KVCacheSize, kv_bytes_per_token, kv_cache_size
 from ..model import CausalLM, ModelLoadError, load_model, ops
+from .huge_pages import advise_huge_pages
 from .sampler import Sampler
 
 log = logging.getLogger("kvtune.runner")
@@ -121,8 +122,11 @@ class ModelRunner:
         self.num_blocks = num_blocks if num_blocks is not None else self.sizing.num_blocks
         self.num_swap_blocks = num_swap_blocks if num_swap_blocks is not None else self.sizing.num_swap_blocks
         shape = (mc.num_layers, mc.num_kv_heads, self.num_blocks, self.block_size, mc.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.k_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.v_cache = torch.empty(shape, dtype=self.dtype, device=self.device)
+        for cache in (self.k_cache, self.v_cache):
+            advise_huge_pages(cache)  # before the first write (huge_pages.py); a no-op off Linux CPU
+            cache.zero_()
         self.kv_caches = list(zip(self.k_cache.unbind(0), self.v_cache.unbind(0)))  # per layer (K, V)
         hshape = shape[:2] + (self.num_swap_blocks,) + shape[3:]
         self.swap_k = torch.empty(hshape, dtype=self.dtype, device="cpu", pin_memory=cuda)
