@@ -132,7 +132,7 @@ def test_kvtune_diagnose_url(engine_url):
     out = json.loads(r.output)
     assert out["diagnosis"]["cause"] == "SequenceCap"
     assert out["observation"]["waiting_cause_share"]["max_num_seqs"] == pytest.approx(0.9, abs=0.01)
-    assert out["observation"]["window_s"] == pytest.approx(0.2)
+    assert 0.2 <= out["observation"]["window_s"] < 1.0  # the seconds the scrapes really spanned
     assert out["diagnosis"]["suggestion"]["max_num_seqs"] > 64
     assert out["observation"]["config"]["max-num-seqs"] == 64
     assert out["observation"]["lengths"]["count"] == 1000
