@@ -83,7 +83,7 @@ def _scrape_window(scrape: Any, first: Any, started: float, window_s: float, n: 
     for i in range(1, n + 1):
         time.sleep(max(0.0, started + window_s * i / n - time.monotonic()))
         scrapes.append(scrape())
-    return scrapes, max(window_s, time.monotonic() - started) if n else 0.0
+    return scrapes, time.monotonic() - started if n else 0.0  # the last scrape is due at window_s
 
 
 def _vllm_uptime(figs: Any) -> float:

@@ -56,6 +56,27 @@ inline float hsum(v16f v) {
   return r;
 }
 
+// body(t, row) for each of a sequence's ctx rows of one head's cache (row: D floats as D/16 vectors),
+// block by block through its table; each row prefetches the same row of the next block, and the
+// last block's rows those of ``after``
+template <int D, typename Body>
+inline void for_each_row(const float* head, const float* after, const int64_t* table, int64_t ctx, int64_t bs,
+                         Body&& body) {
+  constexpr int C = D / 16;
+  const int64_t nb = (ctx + bs - 1) / bs;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* blk = head + table[b] * bs * D;
+    const float* next = b + 1 < nb ? head + table[b + 1] * bs * D : after;
+    const int64_t t0 = b * bs, tn = std::min(bs, ctx - t0);
+    for (int64_t t = 0; t < tn; ++t) {
+      for (int c = 0; c < C; c += 4) __builtin_prefetch(next + t * D + 16 * c);
+      v16f row[C];
+      for (int c = 0; c < C; ++c) row[c] = load16(blk + t * D + 16 * c);
+      body(t0 + t, row);
+    }
+  }
+}
+
 // One (sequence, kv head) task in float32 with the GQA group size G and head_dim D known at compile
 // time: q, the accumulators and one K/V row live in registers (the generic loop below keeps its
 // accumulators in memory: 1.4x slower on cache-resident contexts), and each row prefetches the row
@@ -68,40 +89,24 @@ inline void decode_task_f32(const float* q, int64_t q_stride_h, const float* kh,
   v16f qv[G][C];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) qv[j][c] = load16(q + j * q_stride_h + 16 * c) * scale;
-  const int64_t nb = (ctx + bs - 1) / bs;
-  for (int64_t b = 0; b < nb; ++b) {
-    const float* kb = kh + table[b] * bs * D;
-    const float* kn = b + 1 < nb ? kh + table[b + 1] * bs * D : vh + table[0] * bs * D;  // then V's first
-    const int64_t t0 = b * bs, tn = std::min(bs, ctx - t0);
-    for (int64_t t = 0; t < tn; ++t) {
-      for (int c = 0; c < C; c += 4) __builtin_prefetch(kn + t * D + 16 * c);
-      v16f kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load16(kb + t * D + 16 * c);
-      for (int j = 0; j < G; ++j) {
-        v16f acc = qv[j][0] * kv[0];
-        for (int c = 1; c < C; ++c) acc += qv[j][c] * kv[c];
-        scores[j * ctx + t0 + t] = hsum(acc);
-      }
+  const int64_t last = table[(ctx + bs - 1) / bs - 1];
+  for_each_row<D>(kh, vh + table[0] * bs * D, table, ctx, bs, [&](int64_t t, const v16f* kv) {  // then V's first
+    for (int j = 0; j < G; ++j) {
+      v16f acc = qv[j][0] * kv[0];
+      for (int c = 1; c < C; ++c) acc += qv[j][c] * kv[c];
+      scores[j * ctx + t] = hsum(acc);
     }
-  }
+  });
   softmax_rows(scores, G, ctx);
   v16f acc[G][C];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) acc[j][c] = v16f{};
-  for (int64_t b = 0; b < nb; ++b) {
-    const float* vb = vh + table[b] * bs * D;
-    const float* vn = vh + table[b + 1 < nb ? b + 1 : b] * bs * D;
-    const int64_t t0 = b * bs, tn = std::min(bs, ctx - t0);
-    for (int64_t t = 0; t < tn; ++t) {
-      for (int c = 0; c < C; c += 4) __builtin_prefetch(vn + t * D + 16 * c);
-      v16f vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load16(vb + t * D + 16 * c);
-      for (int j = 0; j < G; ++j) {
-        const float p = scores[j * ctx + t0 + t];
-        for (int c = 0; c < C; ++c) acc[j][c] += p * vv[c];
-      }
+  for_each_row<D>(vh, vh + last * bs * D, table, ctx, bs, [&](int64_t t, const v16f* vv) {
+    for (int j = 0; j < G; ++j) {
+      const float p = scores[j * ctx + t];
+      for (int c = 0; c < C; ++c) acc[j][c] += p * vv[c];
     }
-  }
+  });
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) std::memcpy(out + j * D + 16 * c, &acc[j][c], sizeof(v16f));
 }

@@ -81,6 +81,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed)
         # decode attention: FlashInfer (checked on the device) or Triton on CUDA; on CPU the
         # compiled kernel of attention/cpu_paged.py; the PyTorch reference when none is there
+        cpu_kernels = not cuda and cpu_paged.enabled()
         if cuda and use_triton is not False:
             if flashinfer_decode.available():
                 self.model.decode_fn = self._flashinfer_or_none()
@@ -90,9 +91,9 @@ class ModelRunner:
                 log.warning("neither flashinfer nor triton is usable: decode attention uses the PyTorch path")
         elif use_triton:  # Triton on CPU: its interpreter (tests)
             self.model.decode_fn = triton_decode.paged_decode_triton
-        elif not cuda and cpu_paged.enabled():
+        elif cpu_kernels:
             self.model.decode_fn = cpu_paged.paged_decode_cpu
-        if not cuda and cpu_paged.enabled():
+        if cpu_kernels:
             self.model.write_fn = cpu_paged.write_kv_cpu
         if not cuda:
             # build or load the fused ops now, not in the first request's step (a cold build is
