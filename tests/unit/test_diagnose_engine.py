@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from click.testing import CliRunner
@@ -13,6 +11,7 @@ from kvtune_engine.metrics import EngineMetrics, new_histograms
 from kvtune_operator.cli import main
 from kvtune_operator.tuner.diagnose import diagnose
 from kvtune_operator.tuner.observation import MetricFigures, Observation
+from local_http import serving
 
 GiB = 1 << 30
 
@@ -65,33 +64,17 @@ def engine_url():
     trace = {"requests": [{"arrival_s": i * 0.05, "prompt_tokens": 400 + i % 200, "output_tokens": 100}
                           for i in range(1000)]}
 
-    class H(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            path = self.path.split("?")[0]
-            if path == "/metrics":
-                body, ctype = metrics.render(), "text/plain"
-            elif path == "/kvtune/v1/state":
-                body, ctype = json.dumps(snap).encode(), "application/json"
-            elif path == "/kvtune/v1/trace":
-                body, ctype = json.dumps(trace).encode(), "application/json"
-            else:
-                self.send_response(404)
-                self.end_headers()
-                return
-            self.send_response(200)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(path: str) -> tuple[bytes, str] | None:
+        if path == "/metrics":
+            return metrics.render(), "text/plain"
+        if path == "/kvtune/v1/state":
+            return json.dumps(snap).encode(), "application/json"
+        if path == "/kvtune/v1/trace":
+            return json.dumps(trace).encode(), "application/json"
+        return None
 
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{srv.server_address[1]}"
-    srv.shutdown()
+    with serving(answer) as url:
+        yield url
 
 
 def test_observation_from_the_engines_metrics_text():

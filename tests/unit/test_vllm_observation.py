@@ -2,12 +2,16 @@
 put a capacity wait down to a limit."""
 from __future__ import annotations
 
+import re
+import time
 from pathlib import Path
 
 from kvtune_operator.tuner.observation import MetricFigures
 from kvtune_operator.tuner.synth_trace import synthesize_trace
+from kvtune_operator.tuner_cli import read_engine
 from kvtune_operator.tuner.vllm_observation import (GaugeSample, VllmAssumptions, classify, in_system, is_vllm, read_vllm,
                                                     samples_of_scrapes)
+from local_http import serving
 
 REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "vllm-0.32-cpu-metrics.txt"
 if not REFERENCE.exists():
@@ -82,38 +86,18 @@ def test_a_window_on_a_slow_server_counts_over_the_seconds_it_really_spans():
     """vLLM's API server, starved by its engine on two cores, answered each /metrics ~2 s late: an 8 s
     window took 24 s and its rates came out 3x too high. Here a real HTTP server answers 0.4 s late
     while 10 requests finish each second: the finished rate read is ~10/s, not 10/s x (span / window)."""
-    import re
-    import threading
-    import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-    from kvtune_operator.tuner_cli import read_engine
-
     text, t0 = REFERENCE.read_text(), time.monotonic()
 
-    class Slow(BaseHTTPRequestHandler):
-        def do_GET(self):
-            time.sleep(0.4)
-            n = 10.0 * (time.monotonic() - t0)   # requests finished so far, each within 0.3 s
-            body = re.sub(r'^(vllm:e2e_request_latency_seconds_(?:count|bucket)\{[^}]*\}) \S+',
-                          lambda m: f"{m.group(1)} {n}", text, flags=re.M).encode()  # every bucket is >= 0.3 s
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    def answer(path: str) -> tuple[bytes, str]:
+        time.sleep(0.4)
+        n = 10.0 * (time.monotonic() - t0)   # requests finished so far, each within 0.3 s
+        return re.sub(r'^(vllm:e2e_request_latency_seconds_(?:count|bucket)\{[^}]*\}) \S+',
+                      lambda m: f"{m.group(1)} {n}", text, flags=re.M).encode(), "text/plain"  # every bucket >= 0.3 s
 
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Slow)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
+    with serving(answer) as url:
         began = time.monotonic()
-        r = read_engine(f"http://127.0.0.1:{srv.server_port}", window_s=2.0, samples=4)
+        r = read_engine(url, window_s=2.0, samples=4)
         took = time.monotonic() - began
-    finally:
-        srv.shutdown()
     obs = r.observation
     assert took < 2.0 + 2 * 0.4 + 0.5            # scrapes due on a clock, not 0.5 s after each answer
     assert obs.window_s >= 2.0 and abs(obs.window_s - took) < 0.5
