@@ -241,10 +241,15 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
     gen, template, pod_name = dep["metadata"]["generation"], dep["spec"]["template"], local.name
     rs_before = replica_sets(controlplane, ns, name)
 
-    # 7 requests/s of 32 + 96 tokens: two sequences at a time cannot keep up (a decode step of this
-    # model costs ~9 ms whatever the batch, so two sequences serve ~2 requests/s), the queue grows
-    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=7.0, prompt_tokens=32, output_tokens=96,
-                        vocab=VOCAB, max_requests=1500, max_seconds=240, max_in_flight=96, seed=1)
+    # 8 requests/s of 32 + 48 tokens: two sequences at a time cannot keep up (a decode step of two
+    # costs ~9 ms, so two sequences serve ~4 requests/s), the queue grows. At most 32 in flight: the
+    # backlog a raised cap has to drain before the next window's requests meet the 1 s TTFT stays
+    # small next to the window, even on a machine whose speed the cost fit catches at its worst
+    # (each further sequence costs ~1 ms more per step here, the 120k-token vocabulary's head: a
+    # fit from two sequences only cannot see that, and a busy machine has made it predict 50 ms
+    # steps at 32, i.e. ~13 requests/s)
+    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=8.0, prompt_tokens=32, output_tokens=48,
+                        vocab=VOCAB, max_requests=1500, max_seconds=240, max_in_flight=32, seed=1)
     with load:
         # 1. the diagnosis and a live change of maxNumSeqs
         obj, apply = first_apply(controlplane, ns, name, timeout=90, operator=op)
