@@ -15,7 +15,7 @@ import statistics
 import time
 
 from kvtune_engine.config import EngineConfig
-from kvtune_engine.sim.profile import load_profile
+from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.scenarios import mix
 from kvtune_engine.sim.simulator import simulate
 

@@ -39,7 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvtune_engine.config import ConfigError, EngineConfig
-from kvtune_engine.sim.profile import Profile, load_profile
+from kvtune_engine.sim.profile import Profile
+from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.scenarios import SCENARIOS, mix
 from kvtune_engine.sim.simulator import SLO, simulate
 from kvtune_engine.sim.trace import TraceRequest

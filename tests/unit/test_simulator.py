@@ -11,7 +11,8 @@ import pytest
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.core.batch import Batch, ScheduledSeq
 from kvtune_engine.core.request import Request
-from kvtune_engine.sim.profile import Profile, ProfileError, fit_step_costs, load_profile
+from kvtune_engine.sim.profile import Profile, ProfileError, fit_step_costs
+from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.profiles import PROFILES
 from kvtune_engine.sim.runner import SimulatedRunner
 from kvtune_engine.sim.scenarios import mix

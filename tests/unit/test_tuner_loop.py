@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from kvtune_engine.config import EngineConfig
-from kvtune_engine.sim.profile import load_profile
+from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.scenarios import SCENARIOS, mix
 from kvtune_operator.tuner.decide import Decision, Objectives, TunerState, config_key
 from kvtune_operator.tuner.loop import Tuner, TunerSettings, measure, measured_figures, simulate_loop

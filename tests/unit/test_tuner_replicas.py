@@ -7,7 +7,7 @@ import math
 import pytest
 
 from kvtune_engine.config import EngineConfig
-from kvtune_engine.sim.profile import load_profile
+from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.scenarios import SCENARIOS
 from kvtune_engine.sim.simulator import SLO, percentile, simulate
 from kvtune_engine.sim.trace import TraceRequest

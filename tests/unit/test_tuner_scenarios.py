@@ -10,7 +10,7 @@ import functools
 import pytest
 
 from kvtune_engine.config import LIVE_KNOBS, EngineConfig
-from kvtune_engine.sim.profile import load_profile
+from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.scenarios import SCENARIOS
 from kvtune_engine.sim.simulator import SLO, simulate
 from kvtune_operator.tuner.candidates import Bounds, MemoryPicture

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 
 from kvtune_engine.config import EngineConfig
-from kvtune_engine.sim.profile import load_profile
+from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.scenarios import SCENARIOS
 from kvtune_engine.sim.simulator import SLO, simulate
 from kvtune_operator.effective import effective_engine, resolve_autotune

@@ -10,7 +10,7 @@ config shows the same backlog, and the change is kept.
 from __future__ import annotations
 
 from kvtune_engine.config import EngineConfig
-from kvtune_engine.sim.profile import load_profile
+from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.scenarios import SCENARIOS
 from kvtune_engine.sim.simulator import SLO
 from kvtune_operator.tuner.decide import judge, window_figures

@@ -75,7 +75,8 @@ def render(s: dict) -> str:
 
 def sim_inputs(trace_file: str, profile_name: str, slo_ttft: float | None, slo_tpot: float | None):
     """Check the SLO flags, load the profile and the trace: (profile, trace), or one clear error."""
-    from .profile import ProfileError, load_profile
+    from .profile import ProfileError
+    from .profiles import load_profile
     from .trace import TraceError, read_trace
 
     for name, v in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot)):

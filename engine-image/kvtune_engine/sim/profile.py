@@ -28,12 +28,9 @@ blocks then comes from `kvtune_engine.kv.sizing.kv_cache_size`, the function the
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
+from pydantic import BaseModel, ConfigDict, Field
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from ..config import EngineConfig, format_validation_error
+from ..config import ConfigError, EngineConfig
 from ..kv.sizing import GIB, KVCacheSize, kv_bytes_per_token, kv_cache_size
 
 
@@ -91,7 +88,6 @@ class Profile(BaseModel):
 
     def kv_cache_size(self, config: EngineConfig) -> KVCacheSize:
         """Blocks for this config (ConfigError when none fit or swap exceeds host memory)."""
-        from ..config import ConfigError
         if config.swap_space * GIB > self.host_bytes:
             raise ConfigError(f"swap_space {config.swap_space} GiB exceeds the host memory of profile "
                               f"{self.name} ({self.host_bytes / GIB:.1f} GiB)")
@@ -133,27 +129,3 @@ def fit_step_costs(samples: list[tuple[int, int, float]]) -> tuple[float, float,
                 y[r] -= f * y[col]
     c0, c_tok, c_ctx = (max(0.0, y[i] / a[i][i]) for i in range(3))
     return c0, c_tok, c_ctx
-
-
-def load_profile(name_or_path: str) -> Profile:
-    """A named profile (see `profiles.PROFILES`) or a JSON file with Profile's fields."""
-    from .profiles import PROFILES
-    if name_or_path in PROFILES:
-        return PROFILES[name_or_path]
-    p = Path(name_or_path)
-    if not p.is_file():
-        raise ProfileError(f"unknown profile {name_or_path!r}: not a file, and not one of "
-                           f"{', '.join(sorted(PROFILES))}")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError) as e:
-        raise ProfileError(f"{p}: cannot read: {e}") from None
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"{p}: not JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ProfileError(f"{p}: a profile is a JSON object")
-    data.setdefault("name", p.stem)
-    try:
-        return Profile.model_validate(data)
-    except ValidationError as e:
-        raise ProfileError(f"{p}: {format_validation_error(e)}") from None

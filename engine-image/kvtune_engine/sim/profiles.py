@@ -37,9 +37,14 @@ Model shapes (the models' config.json):
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-from .profile import Profile
+from pydantic import ValidationError
+
+from ..config import format_validation_error
+from .profile import Profile, ProfileError
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -142,3 +147,26 @@ PROFILES: dict[str, Profile] = {
     "l20-qwen3-8b": from_specs("l20-qwen3-8b", L20, QWEN3_8B),
     "cpu-tiny": CPU_TINY,
 }
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A named profile (see `profiles.PROFILES`) or a JSON file with Profile's fields."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    p = Path(name_or_path)
+    if not p.is_file():
+        raise ProfileError(f"unknown profile {name_or_path!r}: not a file, and not one of "
+                           f"{', '.join(sorted(PROFILES))}")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{p}: cannot read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{p}: not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ProfileError(f"{p}: a profile is a JSON object")
+    data.setdefault("name", p.stem)
+    try:
+        return Profile.model_validate(data)
+    except ValidationError as e:
+        raise ProfileError(f"{p}: {format_validation_error(e)}") from None

@@ -5,6 +5,7 @@ Pure and cluster-free: the operator's timer and `kvtune tune` run the same code 
 Imports the engine's config, core and simulator only (never torch, the model, the runner or the
 server).
 
+    step_sample  StepSample: one step's time and shape (what the fit reads, the observation carries)
     observation  Observation (one window) from a `kvtune sim --json` summary or from Prometheus-style
                  figures (MetricFigures) + the engine's state, trace and step log
     diagnose     diagnose(obs) -> Diagnosis(cause, message, figures, knob, suggestion)

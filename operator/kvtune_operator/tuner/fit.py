@@ -30,7 +30,7 @@ from typing import Iterable, Sequence
 
 from kvtune_engine.sim.profile import SpeedTimeline
 
-from .observation import StepSample
+from .step_sample import StepSample
 
 TERMS = ("c0", "c_tok", "c_ctx", "c_pair")
 

@@ -21,28 +21,14 @@ from kvtune_engine.config import EngineConfig
 from kvtune_engine.core.stats import CAUSES
 from kvtune_engine.sim.summary import SimSummary
 
+from .fit import samples_from_engine_steps
+from .step_sample import StepSample
+
 #: The limits that can stop the head of the waiting queue: the engine scheduler's own list, less "none".
 WAITING_CAUSES = tuple(c for c in CAUSES if c != "none")
 GiB = 1024 ** 3
 #: memory by kind, as the engine exports it (kvtune_memory_bytes{kind}) and the simulator sums it
 MEMORY_KINDS = ("weights", "activations_peak", "kv_cache", "swap", "device_total")
-
-
-@dataclass(frozen=True, slots=True)
-class StepSample:
-    """Engine step timing: one step, or the mean of ``weight`` steps (a histogram's sum/count).
-
-    ``context_tokens``: sum of the context lengths of the step's decodes; ``prefill_pairs``: causal
-    (query, key) pairs of its prefill chunks; ``swapped_bytes``: bytes copied in or out of the swap
-    pool. Unknown figures stay 0 (the fit then leaves their term out). ``t_s``: when it ran (a step's
-    start, an interval's midpoint) in the trace's clock, for the machine's speed over time (None: unknown)."""
-    duration_s: float
-    batched_tokens: float
-    context_tokens: float = 0.0
-    weight: float = 1.0
-    prefill_pairs: float = 0.0
-    swapped_bytes: float = 0.0
-    t_s: float | None = None
 
 
 def _q(sorted_values: list[float], q: float) -> float:
@@ -198,8 +184,6 @@ class Observation:
     def with_engine_steps(self, steps: Iterable[Mapping[str, Any]]) -> "Observation":
         """This observation with the engine's step log (``GET /kvtune/v1/steps``) as its step samples,
         so that predictions run on step costs fitted from this very engine."""
-        from .fit import samples_from_engine_steps
-
         kv = float(self.memory.get("kv_cache", 0) or 0)
         block_bytes = kv / self.num_blocks if kv > 0 and self.num_blocks else None
         samples = samples_from_engine_steps(steps, block_bytes)
