@@ -435,6 +435,18 @@ def test_helm_install_and_least_privilege_rbac(controlplane, crd, tmp_path):
         assert can("list", "secrets", "-n", watched) == "no"
         assert can("delete", "secrets", "-n", watched) == "no"
         assert can("patch", "deployments", "-n", system) == "no"
+        # a node directory as the model volume: the apiserver refuses it (allowHostPath is false)
+        host_path = infd_yaml("hostpath", model={"path": "/models/m",
+                                                 "volume": {"hostPath": {"path": "/etc"}, "mountPath": "/models"}})
+
+        def refused():
+            r = controlplane.kubectl("apply", "--dry-run=server", "-n", watched, "-f", "-", input=host_path, check=False)
+            return r.returncode != 0 and r.stderr
+        err = eventually(refused, what="the chart's admission policy to refuse a hostPath model volume")
+        assert "spec.model.volume.hostPath is not allowed" in err and "allowHostPath" in err, err
+        pvc = infd_yaml("pvc", model={"path": "/models/m",
+                                      "volume": {"persistentVolumeClaim": {"claimName": "w"}, "mountPath": "/models"}})
+        controlplane.kubectl("apply", "--dry-run=server", "-n", watched, "-f", "-", input=pvc)  # a claim is fine
         # ... and that is enough: the operator, running with the ServiceAccount's token, reconciles fully.
         token = controlplane.kubectl("create", "token", sa_name, "-n", system, "--duration=1h").stdout.strip()
         kubeconfig = tmp_path / "sa.kubeconfig"

@@ -92,7 +92,8 @@ def test_helm_lint_and_template():
         assert res.returncode == 0, res.stdout + res.stderr
     docs = _template()
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount",
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     role = next(d for d in docs if d["kind"] == "ClusterRole")
     assert _rules_as_calls(role["rules"]) == API_CALLS
     dep = next(d for d in docs if d["kind"] == "Deployment")
@@ -106,13 +107,33 @@ def test_helm_lint_and_template():
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     scoped = _template("--set", "watchNamespaces={a,b}", "--set", "grafanaDashboard.enabled=true")
     kinds = sorted(d["kind"] for d in scoped)
-    assert kinds == ["ConfigMap", "Deployment", "Role", "Role", "RoleBinding", "RoleBinding", "ServiceAccount"]
+    assert kinds == ["ConfigMap", "Deployment", "Role", "Role", "RoleBinding", "RoleBinding", "ServiceAccount",
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     assert sorted(d["metadata"]["namespace"] for d in scoped if d["kind"] == "Role") == ["a", "b"]
     dash = next(d for d in scoped if d["kind"] == "ConfigMap")
     assert json.loads(dash["data"]["kvtune-engine.json"])["uid"] == "kvtune-engine"
     env = {e["name"]: e["value"] for e in next(d for d in scoped if d["kind"] == "Deployment")[
         "spec"]["template"]["spec"]["containers"][0]["env"]}
     assert Settings.from_env(env).namespaces == ("a", "b")
+
+
+def test_host_path_refused_by_the_apiserver_unless_allowed():
+    """allowHostPath false (the default): a ValidatingAdmissionPolicy refuses InferenceDeployments with
+    spec.model.volume.hostPath, bound to the watched namespaces (all of them when none are listed);
+    allowHostPath true: no policy."""
+    policy, binding = (next(d for d in _template() if d["kind"] == k)
+                       for k in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"))
+    rule = policy["spec"]["matchConstraints"]["resourceRules"][0]
+    assert rule["apiGroups"] == ["kvtune.io"] and rule["resources"] == ["inferencedeployments"]
+    assert set(rule["operations"]) == {"CREATE", "UPDATE"}
+    (v,) = policy["spec"]["validations"]
+    assert "hostPath" in v["expression"] and "allowHostPath" in v["message"]
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"] and "matchResources" not in binding["spec"]
+    scoped = next(d for d in _template("--set", "watchNamespaces={a,b}") if d["kind"] == "ValidatingAdmissionPolicyBinding")
+    (sel,) = scoped["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"]
+    assert sel == {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["a", "b"]}
+    assert not [d for d in _template("--set", "allowHostPath=true") if "ValidatingAdmission" in d["kind"]]
 
 
 def test_inference_pool_selects_the_deployments_engine_pods():
