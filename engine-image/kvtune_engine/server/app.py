@@ -46,8 +46,10 @@ class ServerSettings:
     def __init__(self, *, served_model_names: list[str] | None = None, api_key: str | None = None,
                  admin_key: str | None = None, max_waiting: int | None = None, model_dir: str | None = None,
                  retry_after_s: int = 1, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 enable_prompt_tokens_details: bool = False, input_workers: int | None = None):
+                 enable_prompt_tokens_details: bool = False, input_workers: int | None = None,
+                 admin_port: int | None = None):
         self.served_model_names = served_model_names or []
+        self.admin_port = admin_port  # /metrics and the admin API answer there only (auth.AuthMiddleware)
         self.api_key = api_key or None
         self.admin_key = admin_key or None
         self.max_waiting = max_waiting
@@ -103,7 +105,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, con
     app.state.engine = engine
     app.state.async_engine = aeng
     app.state.settings = s
-    app.add_middleware(AuthMiddleware, api_key=s.api_key, admin_key=s.admin_key)
+    app.add_middleware(AuthMiddleware, api_key=s.api_key, admin_key=s.admin_key, admin_port=s.admin_port)
 
     # ------------------------------------------------------------------ helpers
     def check_capacity(n_new: int) -> None:

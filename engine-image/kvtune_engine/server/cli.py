@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 from typing import Any
 
@@ -37,19 +38,31 @@ class StartupError(click.ClickException):
         click.echo(line, err=True)
 
 
-def _port(port: int | None) -> int:
+def _port(port: int | None, var: str = "KVTUNE_PORT", default: int | None = DEFAULT_PORT) -> int | None:
+    """The flag, else ``$var``, else ``default``."""
     if port is not None:
         return port
-    env = os.environ.get("KVTUNE_PORT")
+    env = os.environ.get(var)
     if env:
         try:
             p = int(env)
         except ValueError:
-            raise click.UsageError(f"KVTUNE_PORT={env!r} is not a port number") from None
+            raise click.UsageError(f"{var}={env!r} is not a port number") from None
         if not 0 <= p <= 65535:
-            raise click.UsageError(f"KVTUNE_PORT={p} is outside 0..65535")
+            raise click.UsageError(f"{var}={p} is outside 0..65535")
         return p
-    return DEFAULT_PORT
+    return default
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
 
 
 @click.command("serve")
@@ -64,6 +77,10 @@ def _port(port: int | None) -> int:
 @click.option("--host", default="0.0.0.0", show_default=True)
 @click.option("--port", type=click.IntRange(0, 65535), default=None,
               help=f"Port (default: $KVTUNE_PORT, else {DEFAULT_PORT}).")
+@click.option("--admin-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve /metrics and the admin API /kvtune/v1/* on this port only, and the API on --port only "
+                   "(/health on both), for network policies that admit API clients to one port and only "
+                   "monitoring and the operator to the other (default: $KVTUNE_ADMIN_PORT, else one port for all).")
 @click.option("--api-key", default=None,
               help="Require this bearer key on /v1 (default: $KVTUNE_API_KEY or $VLLM_API_KEY).")
 @click.option("--admin-key", default=None,
@@ -82,7 +99,7 @@ def _port(port: int | None) -> int:
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str, device_memory: float | None,
-          host: str, port: int | None,
+          host: str, port: int | None, admin_port: int | None,
           api_key: str | None, admin_key: str | None, max_body_mib: float, enable_prompt_tokens_details: bool,
           config_file: str | None, max_waiting: int | None, log_level: str, **flags: Any) -> None:
     """Serve a model: OpenAI-compatible API, /metrics, and the admin API under /kvtune/v1/."""
@@ -93,6 +110,9 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvtune.serve")
     port = _port(port)
+    admin_port = _port(admin_port, "KVTUNE_ADMIN_PORT", None)
+    if admin_port is not None and admin_port == port:
+        raise click.UsageError(f"--admin-port {admin_port} is the API port too: give it a port of its own")
     values = {k: v for k, v in flags.items() if v is not None}
     try:
         EngineConfig.build(**values)  # flags alone must be valid
@@ -149,7 +169,8 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     app = create_app(engine, ServerSettings(served_model_names=[engine.model_name], api_key=api_key,
                                             admin_key=admin_key, max_waiting=max_waiting, model_dir=model_dir,
                                             max_body_bytes=int(max_body_mib * 2**20),
-                                            enable_prompt_tokens_details=enable_prompt_tokens_details),
+                                            enable_prompt_tokens_details=enable_prompt_tokens_details,
+                                            admin_port=admin_port),
                      config_watcher=watcher, on_fatal=on_fatal)
     snap = engine.snapshot()
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks of %d tokens, %d swap blocks, max_model_len %d)",
@@ -157,12 +178,17 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
              snap["swap"]["total"], engine.config.max_model_len)
     if not admin_key:
         log.info("no --admin-key: the admin API /kvtune/v1/* answers on loopback only")
+    if admin_port is not None:
+        log.info("/metrics and the admin API on port %d only", admin_port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                                            timeout_graceful_shutdown=5))
+    # one server (one lifespan, one engine loop) on one or two listening sockets
+    sockets = [_listen(host, p) for p in (port, admin_port) if p is not None]
     try:
-        server.run()
-    except OSError as e:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
+        server.run(sockets=sockets)
+    finally:
+        for sock in sockets:
+            sock.close()
     err = app.state.async_engine.error
     if err is not None:
         click.echo(f"Error: the engine loop failed: {type(err).__name__}: {err}", err=True)
