@@ -17,7 +17,7 @@ import json
 import re
 from datetime import datetime
 from enum import Enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Mapping
 
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -111,6 +111,19 @@ class CRDModel(BaseModel):
     def dump(self) -> dict[str, Any]:
         """The wire form: camelCase, without unset/None fields."""
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+    @classmethod
+    def checked(cls, wire: Mapping[str, Any]) -> dict[str, Any]:
+        """``wire``, status written as a dict merged from parts (camelCase; None: the field removed by
+        the merge patch), checked against this model: a name the model lacks is an error (reading
+        ignores unknown fields, writing must not invent them) and every value is validated. Returned
+        as given, so that the removals stay in the patch."""
+        known = {f.alias or n for n, f in cls.model_fields.items()}
+        unknown = sorted(set(wire) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no field {', '.join(unknown)}")
+        cls.model_validate({k: v for k, v in wire.items() if v is not None})
+        return dict(wire)
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,9 +272,13 @@ class NetworkSpec(CRDModel):
 
     allow_from: list[NetworkPeer] | None = Field(
         None, max_length=32,
-        description="Clients of the OpenAI API. Default: every pod of this resource's namespace. The operator "
-                    "and Prometheus (the operator's settings) are always allowed; the admin API also needs "
-                    "the admin key the operator keeps in the Secret <name>-admin-key.")
+        description="Clients of the OpenAI API (port 8000). Default: every pod of this resource's namespace.")
+    allow_metrics_from: list[NetworkPeer] | None = Field(
+        None, max_length=32,
+        description="Besides the operator and Prometheus (the operator's settings, always allowed), who may reach "
+                    "/metrics and the admin API (port 8001; vLLM serves /metrics on 8000), e.g. the Gateway API Inference Extension's endpoint picker (run it "
+                    "with --model-server-metrics-port 8001). The admin API also needs the admin key the "
+                    "operator keeps in the Secret <name>-admin-key.")
 
 
 _ENGINE_RULES = _rules(

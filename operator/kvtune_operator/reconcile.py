@@ -28,7 +28,7 @@ from kvtune_engine.config import LIVE_KNOBS, RESTART_KNOBS, ConfigError
 from kvtune_operator import conditions as c
 from kvtune_operator.effective import Effective, autotune_mode, effective_engine
 from kvtune_operator.kube import KubeError, now_rfc3339
-from kvtune_operator.model import KNOBS, KNOBS_BY_CAMEL, AutotuneMode, InferenceDeployment
+from kvtune_operator.model import KNOBS, KNOBS_BY_CAMEL, AutotuneMode, InferenceDeployment, TuningStatus
 from kvtune_operator.render import (ANNOTATION_RESTART_HASH, admin_key_of, child_names, render_admin_secret,
                                     render_children, runtime_restart_hash, selector_string)
 from kvtune_operator.render_vllm import DEFAULT_VLLM_IMAGE
@@ -271,6 +271,7 @@ class Reconciler:
             tuning["phase"] = "Off"
         elif "phase" not in tuning and (old_phase is None or old_phase == "Off"):
             tuning["phase"] = "Pending"
+        tuning = TuningStatus.checked(tuning)
         status.update({
             "replicas": replicas.current,
             "readyReplicas": replicas.ready,

@@ -5,12 +5,13 @@ Values go into the templates through ``tojson`` (JSON is YAML), so no value can 
 
 Contract with the engine container (kvtune serve):
   kvtune serve --model <spec.model.path> --served-model-name <name> --host 0.0.0.0 --port 8000
-               --config-file /etc/kvtune/engine.yaml [spec.extraArgs...]
-One port, 8000 (``http``), serves the OpenAI API, /health, /metrics and /kvtune/v1/*. The admin API
-answers only the key in the Secret ``<name>-admin-key`` (``KVTUNE_ADMIN_KEY`` from that Secret), which
-the operator creates once per InferenceDeployment and uses for its own reads; a NetworkPolicy admits
-to the port the clients spec.network names (default: the namespace) and the namespaces of the
-operator and Prometheus.
+               --admin-port 8001 --config-file /etc/kvtune/engine.yaml [spec.extraArgs...]
+Port 8000 (``http``) serves the OpenAI API, port 8001 (``admin``) /metrics and /kvtune/v1/*, both
+/health. The admin API answers only the key in the Secret ``<name>-admin-key`` (``KVTUNE_ADMIN_KEY``
+from that Secret), which the operator creates once per InferenceDeployment and uses for its own
+reads (at the address Prometheus scrapes: the admin port). The NetworkPolicy admits to 8000 the
+clients spec.network.allowFrom names (default: the namespace), and to 8001 only the namespaces of
+the operator and Prometheus and spec.network.allowMetricsFrom. vLLM serves everything on 8000.
 The ConfigMap key ``engine.yaml`` holds every knob in ``EngineConfig.model_dump()`` form; the engine
 watches it and applies the live knobs. The pod template carries ``kvtune.io/restart-hash``, a hash of
 only the restart knobs, so a restart knob rolls the pods and a live knob does not.
@@ -35,6 +36,7 @@ from kvtune_operator.render_vllm import VLLM_COMMAND, vllm_args, vllm_restart_ha
 TEMPLATES = Path(__file__).with_name("templates")
 
 PORT = 8000
+ADMIN_PORT = 8001  # runtime kvtune: /metrics and the admin API
 ENGINE_UID = 10001
 CONFIG_DIR = "/etc/kvtune"
 CONFIG_KEY = "engine.yaml"
@@ -131,6 +133,7 @@ def engine_args(infd: InferenceDeployment) -> list[str]:
         "--served-model-name", spec.model.served_model_name or infd.metadata.name,
         "--host", "0.0.0.0",
         "--port", str(PORT),
+        "--admin-port", str(ADMIN_PORT),
         "--config-file", CONFIG_FILE,
         # The engine defaults to CPU; pods with GPUs run it on CUDA. extraArgs come last and win.
         "--device", "cuda" if spec.resources.gpus else "cpu",
@@ -234,20 +237,32 @@ def _env_list(infd: InferenceDeployment) -> list[dict[str, Any]]:
     return list(env.values())
 
 
-def _network_peers(infd: InferenceDeployment, always_namespaces: tuple[str, ...]) -> list[dict[str, Any]]:
-    net = infd.spec.network
-    peers: list[dict[str, Any]] = []
-    for p in (net.allow_from if net and net.allow_from else None) or [None]:
-        if p is None:
-            peers.append({"podSelector": {}})          # this namespace, every pod
-            continue
+def _peers(listed: list | None) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for p in listed or []:
         peer: dict[str, Any] = {"podSelector": {"matchLabels": p.pod_selector} if p.pod_selector else {}}
         if p.namespace_selector is not None:
             peer["namespaceSelector"] = {"matchLabels": p.namespace_selector}
-        peers.append(peer)
-    for ns in always_namespaces:
-        peers.append({"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}})
-    return peers
+        out.append(peer)
+    return out
+
+
+def _network_rules(infd: InferenceDeployment, always_namespaces: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The NetworkPolicy's ingress rules: the API port to spec.network.allowFrom (default: this
+    namespace), the admin port to the operator's and Prometheus' namespaces and
+    spec.network.allowMetricsFrom; on vLLM, which has one port for all, the union to that port."""
+    net = infd.spec.network
+    always = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}} for ns in always_namespaces]
+    clients = _peers(net.allow_from if net else None) or [{"podSelector": {}}]  # default: this namespace
+    monitors = [*always, *_peers(net.allow_metrics_from if net else None)]
+    if infd.spec.runtime == "vllm":
+        return [{"from": clients + [p for p in monitors if p not in clients], "ports": [_tcp(PORT)]}]
+    rules = [{"from": clients, "ports": [_tcp(PORT)]}]
+    return rules + [{"from": monitors, "ports": [_tcp(ADMIN_PORT)]}] if monitors else rules
+
+
+def _tcp(port: int) -> dict[str, Any]:
+    return {"port": port, "protocol": "TCP"}
 
 
 def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: str,
@@ -273,9 +288,10 @@ def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: s
         "command": runtime_command(infd, config)[0],
         "args": runtime_command(infd, config)[1],
         "port": PORT,
+        "admin_port": None if infd.spec.runtime == "vllm" else ADMIN_PORT,
         "uid": ENGINE_UID,
         "env": _env_list(infd),
-        "network_peers": _network_peers(infd, allow_namespaces),
+        "network_rules": _network_rules(infd, allow_namespaces),
         "resources": _resources(infd),
         "tolerations": [t.dump() for t in infd.spec.tolerations or []],
         "model_volume": _model_volume(infd),

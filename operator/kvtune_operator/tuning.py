@@ -27,7 +27,7 @@ from .effective import (AutotunePlan, baseline_config, effective_engine, frozen_
                         resolve_autotune, tuned_status)
 from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, Figures,
                     InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningDecision,
-                    parse_duration, to_camel_dict)
+                    TuningStatus, parse_duration, to_camel_dict)
 from .prometheus import MetricsUnavailable, read_window
 from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
@@ -298,7 +298,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     if stale:  # a change is still rolling out: a window of the old knobs would judge the wrong config
         tuning.update(mode=mode.value, phase="Applying",
                       message=f"waiting for the engines to run {_camel(stale)}")
-        out.status_update = {"tuning": tuning}
+        out.status_update = {"tuning": TuningStatus.checked(tuning)}
         return out
     state = state_from_status(status.tuning if status else None)
     trying = trial is not None and mode == AutotuneMode.APPLY and state.phase != "Verifying"
@@ -355,7 +355,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         out.applied = changes
     tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:],
                   traceSource="synthesized" if gathered.trace_synthesized else "recorded", **state_status(state))
-    out.status_update["tuning"] = _replacing(old_tuning, tuning)
+    out.status_update["tuning"] = _replacing(old_tuning, TuningStatus.checked(tuning))
     settled = rnd.diagnosis.cause == "Healthy" or phase in ("Settled",)
     out.conditions.append(c.Cond("Tuned", "True" if settled else "False", phase, message or rnd.diagnosis.message))
     return out
@@ -386,7 +386,7 @@ def roll_back_failed_rollout(spec: InferenceDeploymentSpec, status: InferenceDep
         out.applied = undo
     tuning.update(mode=plan.mode.value, phase="RolledBack", message=message,
                   history=history[-TUNING_HISTORY_LIMIT:], **state_status(state))
-    out.status_update["tuning"] = _replacing(old_tuning, tuning)
+    out.status_update["tuning"] = _replacing(old_tuning, TuningStatus.checked(tuning))
     out.conditions.append(c.Cond("Tuned", "False", "RolledBack", message))
     return out
 
@@ -442,8 +442,8 @@ class TuningLoop:
                 return roll_back_failed_rollout(infd.spec, status, plan, failure, now)
             rolling = rollout_pending(deployment, pending.restart_hash)
             if rolling:  # a window now could be the old pods' (vLLM's metrics do not tell its knobs)
-                tuning_now = tuning.dump() | {"phase": "Applying", "message": f"waiting for the rollout: {rolling}"}
-                return TickResult(status_update={"tuning": tuning_now})
+                return TickResult(status_update={"tuning": TuningStatus.checked(
+                    {**tuning.dump(), "phase": "Applying", "message": f"waiting for the rollout: {rolling}"})})
         try:
             gathered = gather(plan, namespace, name, infd.spec, _since_last_change(status, now),
                               admin_key=engine_admin_key(self.reconciler.kube, namespace, name),

@@ -27,7 +27,9 @@ What it does, polling the apiserver every `poll_interval` seconds:
 
   - The port: a free loopback port is chosen; it is passed as ``KVTUNE_PORT`` and every
     ``--port N`` / ``--port=N`` argument is rewritten to it (``--host`` becomes ``127.0.0.1``,
-    ``KVTUNE_HOST=127.0.0.1`` is set too).
+    ``KVTUNE_HOST=127.0.0.1`` is set too). An ``--admin-port N`` gets a free port of its own. A URL
+    of the pod's IP is mapped by its container port (``rewrite_url``); Prometheus scrapes the port
+    the ``prometheus.io/port`` annotation names.
   - ConfigMap volumes mounted by the container are written to a local directory
     (``items``/``subPath`` honoured) and KEPT IN SYNC when the ConfigMap changes (atomic
     replace, like the kubelet's eventual update); ``emptyDir`` mounts get an empty local directory.
@@ -130,6 +132,9 @@ class LocalPod:
     workdir: Path
     proc: ManagedProcess
     mounts: list[tuple[str, Path]] = field(default_factory=list)  # (mountPath, local path)
+    #: container port -> local port, for every port the process listens on (the API's and an admin port)
+    ports: dict[int, int] = field(default_factory=dict)
+    metrics_port: int | None = None   # the local port Prometheus scrapes (default: ``port``)
     grace_seconds: float = 10.0
     metrics_path: str = "/metrics"
     env: dict[str, str] = field(default_factory=dict)
@@ -149,6 +154,15 @@ class LocalPod:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        """Where /metrics and the admin API answer: the scraped port (the API's unless the pod has
+        an admin port)."""
+        return f"http://127.0.0.1:{self.metrics_port or self.port}"
+
+    def local_port(self, container_port: int | None) -> int:
+        return self.ports.get(container_port, self.port) if container_port is not None else self.port
 
     @property
     def log_path(self) -> Path:
@@ -301,7 +315,8 @@ class PodNode:
         with self._lock:
             for lp in self.pods.values():
                 if lp.pod_ip and lp.pod_ip == m.group(2):
-                    return f"{m.group(1)}127.0.0.1:{lp.port}{m.group(4)}"
+                    local = lp.local_port(int(m.group(3)) if m.group(3) else None)
+                    return f"{m.group(1)}127.0.0.1:{local}{m.group(4)}"
         return url
 
     def logs(self, namespace: str, pod: str) -> str:
@@ -405,10 +420,15 @@ class PodNode:
         argv = [_expand(a, env_list) for a in (container.get("command") or []) + (container.get("args") or [])]
         if not container.get("command"):
             raise ValueError("the container has no `command`: the local node cannot know the image's entrypoint")
-        argv, container_port = _rewrite_port_args(argv, port)
+        admin_local = free_port() if "--admin-port" in argv or any(a.startswith("--admin-port=") for a in argv) \
+            else None
+        argv, container_port, admin_container_port = _rewrite_port_args(argv, port, admin_local)
         if container_port is None:
             ports = container.get("ports") or []
             container_port = ports[0].get("containerPort") if ports else None
+        port_map = {cp: lp_ for cp, lp_ in ((container_port, port), (admin_container_port, admin_local))
+                    if cp is not None and lp_ is not None}
+        scraped = _int(str((md.get("annotations") or {}).get("prometheus.io/port", "")))
         argv = [_map_in_value(a, mounts) for a in argv]
         argv = self._translate(pod, container, argv)
 
@@ -431,6 +451,7 @@ class PodNode:
             namespace=ns, name=name, uid=md["uid"], labels=dict(md.get("labels") or {}),
             node=spec.get("nodeName", ""), pod_ip=pod.get("status", {}).get("podIP", ""),
             container=container["name"], container_port=container_port, port=port, argv=argv,
+            ports=port_map, metrics_port=port_map.get(scraped) if scraped is not None else None,
             workdir=workdir, proc=None, mounts=mounts,  # type: ignore[arg-type]  # _spawn sets it
             grace_seconds=min(float(grace if grace is not None else 10), 30.0),
             metrics_path=(md.get("annotations") or {}).get("prometheus.io/path", "/metrics"),
@@ -700,7 +721,7 @@ class PodNode:
                       "inference_deployment": lp.labels.get(DEPLOYMENT_LABEL, "")}
             if lp.metrics_path != "/metrics":
                 labels["__metrics_path__"] = lp.metrics_path
-            groups.append({"targets": [f"127.0.0.1:{lp.port}"], "labels": labels})
+            groups.append({"targets": [f"127.0.0.1:{lp.metrics_port or lp.port}"], "labels": labels})
         text = json.dumps(groups, sort_keys=True)
         if text != self._last_sd:
             write_sd_file(self.sd_file, groups)
@@ -737,30 +758,29 @@ def _expand(s: str, env: dict[str, str]) -> str:
     return _VAR_REF.sub(lambda m: env.get(m.group(1), m.group(0)), s)
 
 
-def _rewrite_port_args(argv: list[str], port: int) -> tuple[list[str], int | None]:
+def _rewrite_port_args(argv: list[str], port: int, admin_port: int | None = None
+                       ) -> tuple[list[str], int | None, int | None]:
+    """``argv`` with ``--port`` (and ``--admin-port``) set to the local ports and ``--host`` to
+    loopback; the container ports they replaced."""
+    local = {"--port": port, "--admin-port": admin_port}
+    original: dict[str, int | None] = {"--port": None, "--admin-port": None}
     out: list[str] = []
-    original: int | None = None
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a == "--port" and i + 1 < len(argv):
-            original = _int(argv[i + 1])
-            out += ["--port", str(port)]
-            i += 2
+        flag, _, value = a.partition("=")
+        if flag in local and local[flag] is not None and (value or i + 1 < len(argv)):
+            original[flag] = _int(value if value else argv[i + 1])
+            out += [f"{flag}={local[flag]}"] if value else [flag, str(local[flag])]
+            i += 1 if value else 2
             continue
-        if a.startswith("--port="):
-            original = _int(a.split("=", 1)[1])
-            out.append(f"--port={port}")
-        elif a == "--host" and i + 1 < len(argv):
+        if a == "--host" and i + 1 < len(argv):
             out += ["--host", "127.0.0.1"]
             i += 2
             continue
-        elif a.startswith("--host="):
-            out.append("--host=127.0.0.1")
-        else:
-            out.append(a)
+        out.append("--host=127.0.0.1" if a.startswith("--host=") else a)
         i += 1
-    return out, original
+    return out, original["--port"], original["--admin-port"]
 
 
 def _int(s: str) -> int | None:

@@ -23,6 +23,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -507,12 +508,16 @@ def test_engine_pod_applies_live_knobs(controlplane, crd, pod_node, tmp_path_fac
                     assert p.returncode is None, f"engine exited {p.returncode}:\n{p.log_path.read_text()[-3000:]}"
                 return pod_node.wait_for_selector(ns, labels, count=1, timeout=1) if pods else None
             local = eventually(started, timeout=180, interval=1, what="the engine pod's process to listen")[0]
-            url = local.url
+            url, admin = local.url, local.admin_url
+            assert admin != url  # the pod's admin port (8001) is a port of its own
 
             key = admin_key(controlplane, ns, "live")
+            # the admin API and /metrics on the admin port only, the OpenAI API on its port only
+            assert httpx.get(f"{url}/kvtune/v1/config", headers={"Authorization": f"Bearer {key}"}).status_code == 404
+            assert httpx.get(f"{url}/metrics").status_code == 404 and httpx.get(f"{admin}/v1/models").status_code == 404
 
             def config():
-                req = urllib.request.Request(f"{url}/kvtune/v1/config", headers={"Authorization": f"Bearer {key}"})
+                req = urllib.request.Request(f"{admin}/kvtune/v1/config", headers={"Authorization": f"Bearer {key}"})
                 with urllib.request.urlopen(req, timeout=5) as r:
                     return json.loads(r.read())["config"]
             assert eventually(lambda: config()["max_num_seqs"] == 8, timeout=60, what="the engine to run maxNumSeqs 8")

@@ -236,7 +236,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
     local = start_engine(controlplane, pod_node, ns, name)
     key = admin_key(controlplane, ns, name)
     log(f"seqcap: engine listening after {time.monotonic() - t0:.0f}s")
-    assert engine_state(local.url, key)["config"]["max_num_seqs"] == 2
+    assert engine_state(local.admin_url, key)["config"]["max_num_seqs"] == 2
     dep = get(controlplane, "deployment", name, ns)
     gen, template, pod_name = dep["metadata"]["generation"], dep["spec"]["template"], local.name
     rs_before = replica_sets(controlplane, ns, name)
@@ -274,7 +274,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         # ... reaches the running engine through the ConfigMap, without a rollout
         eventually(lambda: f"max_num_seqs: {raised}\n" in get(controlplane, "configmap", f"{name}-engine", ns)
                    ["data"]["engine.yaml"], timeout=30, what="the ConfigMap to carry the tuned maxNumSeqs")
-        eventually(lambda: engine_state(local.url, key)["config"]["max_num_seqs"] == raised, timeout=60,
+        eventually(lambda: engine_state(local.admin_url, key)["config"]["max_num_seqs"] == raised, timeout=60,
                    what="the engine to run the tuned maxNumSeqs")
         log(f"seqcap: engine runs maxNumSeqs {raised} after {time.monotonic() - t0:.0f}s")
 
@@ -309,7 +309,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         assert trial["after"] == {"maxNumSeqs": 1} and before_trial > 1 and trial["restart"] is False
         assert "predicted" not in trial  # a forced candidate is not simulated
         assert obj["status"]["engine"]["maxNumSeqs"] == 1
-        eventually(lambda: engine_state(local.url, key)["config"]["max_num_seqs"] == 1, timeout=60,
+        eventually(lambda: engine_state(local.admin_url, key)["config"]["max_num_seqs"] == 1, timeout=60,
                    what="the engine to run the forced candidate")
 
         def rolled_back(o):
@@ -331,7 +331,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
         assert st["engine"]["maxNumSeqs"] == before_trial  # back to the value before the candidate
         if h[-1] is verdict:  # (a later round may have moved on already)
             assert st["tuning"]["phase"] == "RolledBack" and st["tuning"]["lastChange"] == verdict
-        eventually(lambda: engine_state(local.url, key)["config"]["max_num_seqs"] == before_trial, timeout=60,
+        eventually(lambda: engine_state(local.admin_url, key)["config"]["max_num_seqs"] == before_trial, timeout=60,
                    what="the engine to run the rolled-back value again")
         assert pod_node.get(ns, pod_name) is local and local.alive()
         assert get(controlplane, "deployment", name, ns)["metadata"]["generation"] == gen
@@ -366,7 +366,7 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
     local = start_engine(controlplane, pod_node, ns, name)
     key = admin_key(controlplane, ns, name)
     log(f"lowmem: engine listening after {time.monotonic() - t0:.0f}s")
-    state = engine_state(local.url, key)
+    state = engine_state(local.admin_url, key)
     assert state["blocks"]["total"] == LOW_BLOCKS and state["config"]["gpu_memory_utilization"] == 0.1
     dep = get(controlplane, "deployment", name, ns)
     gen, pod_name = dep["metadata"]["generation"], local.name
@@ -406,7 +406,7 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
                     if p.name != pod_name]
             if not pods:
                 return None
-            s = engine_state(pods[0].url, key)
+            s = engine_state(pods[0].admin_url, key)
             return (pods[0], s) if s["config"]["gpu_memory_utilization"] == raised else None
         new, state = eventually(new_engine, timeout=120, interval=0.5, what="the new engine pod to serve")
         log(f"lowmem: new engine {new.name} serves after {time.monotonic() - t0:.0f}s with "

@@ -124,7 +124,7 @@ def test_operator_kill_prometheus_outage_and_a_rollout_that_cannot_start(
                 timeout=60, what="the forced candidate to be applied", operator=op)
             trial = next(e for e in history(obj) if e["action"] == "Apply" and "kvtune.io/try" in e["message"])
             assert obj["status"]["tuning"]["pending"]["source"] == "Annotation"
-            eventually(lambda: engine_state(local.url, key)["config"]["max_num_seqs"] == 1, timeout=60,
+            eventually(lambda: engine_state(local.admin_url, key)["config"]["max_num_seqs"] == 1, timeout=60,
                        what="the engine to run the forced candidate")
             n_history = len(history(obj))
             with prometheus.down():

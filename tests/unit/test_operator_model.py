@@ -69,3 +69,18 @@ def test_settings_from_env_and_flags():
     env = Settings.from_env({}).env()
     assert env["KVTUNE_AUTOTUNE_MODE"] == "Recommend" and env["KVTUNE_NAMESPACES"] == ""
     assert Settings.from_env(env) == Settings.from_env({})
+
+
+def test_status_written_from_parts_is_checked_against_the_model():
+    """status.tuning merged from parts (the tuner's round, the state, the reconciler's phase) goes
+    through its model before it is written: a misspelt field or a bad value is an error here, not a
+    field the apiserver prunes or refuses; None (a field removed by the merge patch) passes as given."""
+    wire = {"mode": "Apply", "phase": "Verifying", "message": "applied", "pending": None,
+            "history": [{"time": "2026-12-01T21:16:44Z", "action": "Apply", "message": "m"}]}
+    assert m.TuningStatus.checked(wire) == wire
+    with pytest.raises(ValueError, match="TuningStatus has no field lastchange"):
+        m.TuningStatus.checked({**wire, "lastchange": {"action": "Apply"}})
+    with pytest.raises(ValidationError):
+        m.TuningStatus.checked({**wire, "phase": "not a phase"})
+    with pytest.raises(ValidationError):
+        m.TuningStatus.checked({**wire, "history": [{"action": "Apply"}]})  # a decision has a time

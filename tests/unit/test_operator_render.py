@@ -71,9 +71,13 @@ def test_deployment_contract_with_the_engine():
     c = pod["spec"]["containers"][0]
     assert c["command"] == ["kvtune", "serve"]
     assert c["args"] == ["--model", "/models/qwen", "--served-model-name", "q", "--host", "0.0.0.0",
-                         "--port", "8000", "--config-file", "/etc/kvtune/engine.yaml", "--device", "cuda",
-                         "--device", "cpu"]
-    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+                         "--port", "8000", "--admin-port", "8001", "--config-file", "/etc/kvtune/engine.yaml",
+                         "--device", "cuda", "--device", "cpu"]
+    # the API on 8000; /metrics and the admin API on 8001, which Prometheus scrapes
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
+                          {"name": "admin", "containerPort": 8001, "protocol": "TCP"}]
+    ann = pod["metadata"]["annotations"]
+    assert ann["prometheus.io/port"] == "8001" and ann["prometheus.io/path"] == "/metrics"
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}
     env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
@@ -147,6 +151,8 @@ def test_children_are_owned_and_named():
     pm = out["PodMonitor"]["spec"]
     assert pm["selector"]["matchLabels"] == r.selector_labels("qwen")
     assert pm["podMetricsEndpoints"][0]["relabelings"][0]["targetLabel"] == "inference_deployment"
+    assert pm["podMetricsEndpoints"][0]["port"] == "admin" and pm["podMetricsEndpoints"][0]["path"] == "/metrics"
+    assert [p["port"] for p in svc["ports"]] == [8000]  # the Service carries the API only
     assert "PodMonitor" not in children(pod_monitor=False)
 
 

@@ -45,7 +45,12 @@ def test_vllm_command_line_carries_every_knob_in_vllms_flags():
     assert "--no-enable-prefix-caching" in a and "--enable-chunked-prefill" in a
     assert a[a.index("--kv-offloading-backend") + 1] == "native" and a[a.index("--kv-offloading-size") + 1] == "4"
     assert a[-2:] == ["--dtype", "bfloat16"]      # extraArgs last: they win
-    assert "--config-file" not in a              # vLLM reads no config file
+    assert "--config-file" not in a and "--admin-port" not in a  # no config file, one port for all
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    pod = r.render_children(infd(), cfg, image="i", pod_monitor=True)
+    ann = next(x for x in pod if x["kind"] == "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert ann["prometheus.io/port"] == "8000"  # vLLM's /metrics is on its API port
+    assert next(x for x in pod if x["kind"] == "PodMonitor")["spec"]["podMetricsEndpoints"][0]["port"] == "http"
     assert parse_knobs(a) == {k: v for k, v in cfg.model_dump().items() if k != "kv_cache_memory"}
 
 

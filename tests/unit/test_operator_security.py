@@ -51,20 +51,28 @@ def test_api_key_from_a_user_secret():
     assert {"name": "KVTUNE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "my-keys", "key": "api"}}} in env
 
 
-def test_network_policy_defaults_to_the_namespace_plus_operator_and_prometheus():
+def test_network_policy_api_port_to_clients_admin_port_to_operator_and_prometheus():
     kube, _ = reconciled(network_allow_namespaces=("kvtune-system", "monitoring"))
     np = obj(kube, "NetworkPolicy", "qwen")["spec"]
     assert np["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "qwen"
     assert np["policyTypes"] == ["Ingress"]
-    (rule,) = np["ingress"]
-    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}]
-    assert rule["from"] == [{"podSelector": {}},
-                            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvtune-system"}}},
-                            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
-    spec = {**SPEC, "network": {"allowFrom": [{"namespaceSelector": {"team": "web"}, "podSelector": {"app": "ui"}}]}}
-    kube, _ = reconciled(spec)
-    assert obj(kube, "NetworkPolicy", "qwen")["spec"]["ingress"][0]["from"] == [
+    ops = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvtune-system"}}},
+           {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    api, admin = np["ingress"]
+    # the OpenAI API: this namespace by default; /metrics and the admin API: the operator and Prometheus
+    assert api == {"from": [{"podSelector": {}}], "ports": [{"port": 8000, "protocol": "TCP"}]}
+    assert admin == {"from": ops, "ports": [{"port": 8001, "protocol": "TCP"}]}
+    spec = {**SPEC, "network": {"allowFrom": [{"namespaceSelector": {"team": "web"}, "podSelector": {"app": "ui"}}],
+                                "allowMetricsFrom": [{"podSelector": {"app": "epp"}}]}}
+    kube, _ = reconciled(spec, network_allow_namespaces=("kvtune-system",))
+    api, admin = obj(kube, "NetworkPolicy", "qwen")["spec"]["ingress"]
+    assert api["from"] == [
         {"podSelector": {"matchLabels": {"app": "ui"}}, "namespaceSelector": {"matchLabels": {"team": "web"}}}]
+    assert admin["from"] == [ops[0], {"podSelector": {"matchLabels": {"app": "epp"}}}]
+    # vLLM serves the API and /metrics on one port: one rule, clients and monitors
+    kube, _ = reconciled({**spec, "runtime": "vllm"}, network_allow_namespaces=("kvtune-system",))
+    (rule,) = obj(kube, "NetworkPolicy", "qwen")["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 8000, "protocol": "TCP"}] and rule["from"] == api["from"] + admin["from"]
 
 
 def test_host_path_refused_unless_the_operator_allows_it():
