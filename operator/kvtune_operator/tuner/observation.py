@@ -19,6 +19,7 @@ from typing import Any, Iterable, Mapping
 
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.core.stats import CAUSES
+from kvtune_engine.knobs import knob
 from kvtune_engine.sim.summary import SimSummary
 
 from .fit import samples_from_engine_steps
@@ -349,18 +350,16 @@ def _dig(d: Mapping[str, Any], *keys: str, default: Any = None) -> Any:
     return d
 
 
-_CONFIG_FIELDS = set(EngineConfig.model_fields)
-_CAMEL = {"swapSpaceGiB": "swap_space", "swap_space_gib": "swap_space", "kvCacheMemoryGiB": "kv_cache_memory"}
-
-
 def _config_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Engine config from a dict keyed by snake_case, vLLM dashed or CRD camelCase names; strings coerced."""
+    """Engine config from a dict keyed by any name the knob table knows (snake_case, vLLM dashed, CRD
+    camelCase); strings coerced; other keys (the engine's own figures) left out."""
     out: dict[str, Any] = {}
     for k, v in dict(cfg).items():
-        key = _CAMEL.get(k) or k.replace("-", "_")
-        if key not in _CONFIG_FIELDS:
-            key = "".join("_" + c.lower() if c.isupper() else c for c in k)
-        if key in _CONFIG_FIELDS and v is not None and v != "":
+        try:
+            key = knob(k).name
+        except KeyError:
+            continue
+        if v is not None and v != "":
             if isinstance(v, str) and v.lower() in ("true", "false"):
                 v = v.lower() == "true"
             elif isinstance(v, str) and v.lower() in ("none", "null"):
