@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import json
 import os
 import secrets
@@ -40,7 +41,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 HERE = Path(__file__).resolve().parent
 #: Built binaries (``build.sh``, ``get_helm_kubectl.sh``); ``KVTUNE_CP_BIN`` overrides.
@@ -424,6 +425,20 @@ class ControlPlane:
         self._wait("fake nodes Ready (kwok)", self._nodes_ready, deadline)
         self._wait("default service account (controller-manager)",
                    lambda: self._get("/api/v1/namespaces/default/serviceaccounts/default") == 200, deadline)
+
+    @contextlib.contextmanager
+    def apiserver_frozen(self) -> Iterator[None]:
+        """An apiserver outage: kube-apiserver stopped (SIGSTOP) inside the block, so that every
+        client's requests and watches hang as behind a partition or a stalled server, then resumed
+        (SIGCONT) with its state intact."""
+        pid = self.procs["kube-apiserver"].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            self._wait("kube-apiserver /readyz after the outage", lambda: self._get("/readyz") == 200,
+                       time.monotonic() + 60)
 
     def stop(self, remove: bool | None = None) -> None:
         """Terminate every process (process groups), then remove the run dir unless kept."""

@@ -3,7 +3,7 @@
 Real apiserver and controllers, real Prometheus, real engine processes (the pod node plays the
 kubelet: it restarts a crashed engine with back-off and reports its container state and its
 readiness from /health), the operator as a subprocess in Apply mode, an open-loop load all along.
-One InferenceDeployment goes through three faults, one after the other:
+One InferenceDeployment goes through four faults, one after the other:
 
 1. **The operator is killed (SIGKILL) while a change is being verified**, and started again: the
    change gets its verdict on its own window (after the change), nothing else is decided before it,
@@ -18,6 +18,9 @@ One InferenceDeployment goes through three faults, one after the other:
    status.engine returns to the old knobs, the candidate is barred, Degraded clears once the old
    config runs alone again. The old pod serves throughout (maxUnavailable 0): the load sees no
    failed request.
+4. **The apiserver stalls for a minute** (SIGSTOP) just after a candidate is asked for: the operator
+   lives through it, and once the apiserver answers again the candidate is applied and judged once,
+   with one event each (a decision whose status could not be written is not announced).
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ def _verdict_after(obj: dict, apply_time: str) -> dict | None:
     return next((e for e in h[i + 1:] if e["action"] in ("Keep", "RollBack")), None) if i is not None else None
 
 
-def test_operator_kill_prometheus_outage_and_a_rollout_that_cannot_start(
+def test_operator_kill_prometheus_outage_a_rollout_that_cannot_start_and_an_apiserver_outage(
         controlplane, prometheus, pod_node, faults_ns, model, tmp_path):
     ns, name = faults_ns, "faults"
     t0 = time.monotonic()
@@ -83,7 +86,7 @@ def test_operator_kill_prometheus_outage_and_a_rollout_that_cannot_start(
         key = admin_key(controlplane, ns, name)
         log(f"faults: engine listening after {time.monotonic() - t0:.0f}s")
         load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=7.0, prompt_tokens=32, output_tokens=96,
-                            vocab=VOCAB, max_requests=3000, max_seconds=420, max_in_flight=96, seed=3)
+                            vocab=VOCAB, max_requests=4800, max_seconds=660, max_in_flight=96, seed=3)
         with load:
             # -- 1. SIGKILL while verifying -----------------------------------------------------------
             obj, apply = first_apply(controlplane, ns, name, timeout=120, operator=op)
@@ -187,6 +190,34 @@ def test_operator_kill_prometheus_outage_and_a_rollout_that_cannot_start(
                              timeout=120, what="Degraded to clear")
             assert [p.name for p in pod_node.pods_for_selector(ns, {LABEL: name})] == [local.name]
             assert local.alive()
+
+            # -- 4. the apiserver stalls for a minute just as a candidate is asked for --------------------
+            wait_for(controlplane, ns, name, lambda o: not o["status"]["tuning"].get("pending"),
+                     timeout=60, what="no pending change", operator=op)
+            controlplane.kubectl("annotate", "infd", name, "-n", ns, "--overwrite", 'kvtune.io/try={"maxNumSeqs": 3}')
+            with controlplane.apiserver_frozen():
+                frozen = time.monotonic()
+                time.sleep(60)
+                assert op.proc is not None and op.proc.poll() is None, op.tail(40)  # alive, waiting
+            log(f"faults: apiserver back after {time.monotonic() - frozen:.0f}s frozen")
+            thawed = time.monotonic()
+            tried = lambda o: next((e for e in history(o) if e["action"] == "Apply"  # noqa: E731
+                                    and e.get("after") == {"maxNumSeqs": 3} and "kvtune.io/try" in e["message"]), None)
+            obj = wait_for(controlplane, ns, name, lambda o: tried(o) and _verdict_after(o, tried(o)["time"]),
+                           timeout=150, what="the candidate asked for before the outage, applied and judged",
+                           operator=op)
+            trial = tried(obj)
+            verdict = _verdict_after(obj, trial["time"])
+            log(f"faults: after the outage, the candidate judged {time.monotonic() - thawed:.0f}s later: "
+                f"{verdict['action']}: {verdict['message']}")
+            assert op.healthy()
+            # each decision once: in the history, and as an event
+            h = history(obj)
+            assert len({(e["time"], e["action"], e["message"]) for e in h}) == len(h), h
+            assert h.count(trial) == 1
+            evs = _events(controlplane, ns, name)
+            assert [m for _, r, m in evs if r == "TuningApply"].count(trial["message"]) == 1, evs
+            assert [m for _, r, m in evs if r == f"Tuning{verdict['action']}"].count(verdict["message"]) == 1, evs
         log(f"faults: load {load.stats}")
         assert load.stats.failed == 0 == failed_before, load.stats.errors
         text = _describe(controlplane, ns, name)
