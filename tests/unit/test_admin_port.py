@@ -6,37 +6,28 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 from conftest_engine import tiny_llama  # noqa: F401  (fixture)
 from test_serve_startup_failure import KVTUNE, free_port
 
+from tests.vllm.server import spawn_logged, wait_healthy
+
 pytestmark = pytest.mark.slow
 KEY = "admin-port-key"
 
 
 @pytest.fixture(scope="module")
-def two_ports(tiny_llama):  # noqa: F811
+def two_ports(tiny_llama, tmp_path_factory):  # noqa: F811
     api, admin = free_port(), free_port()
-    p = subprocess.Popen([KVTUNE, "serve", "--model", str(tiny_llama), "--host", "127.0.0.1", "--port", str(api),
-                          "--admin-port", str(admin), "--admin-key", KEY, "--served-model-name", "tiny", "--max-model-len", "256",
-                          "--max-num-batched-tokens", "256", "--swap-space", "0", "--kv-cache-memory", "0.01"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = tmp_path_factory.mktemp("admin-port") / "serve.log"
+    p = spawn_logged([KVTUNE, "serve", "--model", str(tiny_llama), "--host", "127.0.0.1", "--port", str(api),
+                      "--admin-port", str(admin), "--admin-key", KEY, "--served-model-name", "tiny",
+                      "--max-model-len", "256", "--max-num-batched-tokens", "256", "--swap-space", "0",
+                      "--kv-cache-memory", "0.01"], {**os.environ, "OMP_NUM_THREADS": "1"}, log)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert p.poll() is None, p.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "kvtune serve did not answer /health in 120 s"
-            try:
-                if httpx.get(f"http://127.0.0.1:{api}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        wait_healthy(p, f"http://127.0.0.1:{api}", 120, "kvtune serve --admin-port", lambda: log.read_text()[-3000:])
         yield f"http://127.0.0.1:{api}", f"http://127.0.0.1:{admin}", admin
     finally:
         p.terminate()
