@@ -48,7 +48,8 @@ class Settings(BaseModel):
         False, description="Allow spec.model.volume.hostPath (a directory of the node); off by default: it "
                            "would let anyone who may create the resource mount any node directory.")
     network_allow_namespaces: tuple[str, ...] = Field(
-        (), description="Namespaces every engine NetworkPolicy admits (the operator's, Prometheus').")
+        (), description="Namespaces every engine NetworkPolicy admits to the admin port, /metrics and the admin "
+                        "API (the operator's, Prometheus').")
 
     @field_validator("namespaces", "network_allow_namespaces", mode="before")
     @classmethod
