@@ -276,9 +276,9 @@ class NetworkSpec(CRDModel):
     allow_metrics_from: list[NetworkPeer] | None = Field(
         None, max_length=32,
         description="Besides the operator and Prometheus (the operator's settings, always allowed), who may reach "
-                    "/metrics and the admin API (port 8001; vLLM serves /metrics on 8000), e.g. the Gateway API Inference Extension's endpoint picker (run it "
-                    "with --model-server-metrics-port 8001). The admin API also needs the admin key the "
-                    "operator keeps in the Secret <name>-admin-key.")
+                    "/metrics and the admin API (port 8001; vLLM serves /metrics on 8000), e.g. the Gateway API "
+                    "Inference Extension's endpoint picker (run it with --model-server-metrics-port 8001). The "
+                    "admin API also needs the admin key the operator keeps in the Secret <name>-admin-key.")
 
 
 _ENGINE_RULES = _rules(

@@ -420,14 +420,13 @@ class PodNode:
         argv = [_expand(a, env_list) for a in (container.get("command") or []) + (container.get("args") or [])]
         if not container.get("command"):
             raise ValueError("the container has no `command`: the local node cannot know the image's entrypoint")
-        admin_local = free_port() if "--admin-port" in argv or any(a.startswith("--admin-port=") for a in argv) \
-            else None
+        admin_local = free_port()  # used only if argv has an --admin-port
         argv, container_port, admin_container_port = _rewrite_port_args(argv, port, admin_local)
         if container_port is None:
             ports = container.get("ports") or []
             container_port = ports[0].get("containerPort") if ports else None
         port_map = {cp: lp_ for cp, lp_ in ((container_port, port), (admin_container_port, admin_local))
-                    if cp is not None and lp_ is not None}
+                    if cp is not None}
         scraped = _int(str((md.get("annotations") or {}).get("prometheus.io/port", "")))
         argv = [_map_in_value(a, mounts) for a in argv]
         argv = self._translate(pod, container, argv)
