@@ -5,7 +5,8 @@ Values go into the templates through ``tojson`` (JSON is YAML), so no value can 
 
 Contract with the engine container (kvtune serve):
   kvtune serve --model <spec.model.path> --served-model-name <name> --host 0.0.0.0 --port 8000
-               --admin-port 8001 --config-file /etc/kvtune/engine.yaml [spec.extraArgs...]
+               --admin-port 8001 --config-file /etc/kvtune/engine.yaml --shutdown-timeout 50
+               --device cpu|cuda [spec.extraArgs...]
 Port 8000 (``http``) serves the OpenAI API, port 8001 (``admin``) /metrics and /kvtune/v1/*, both
 /health. The admin API answers only the key in the Secret ``<name>-admin-key`` (``KVTUNE_ADMIN_KEY``
 from that Secret), which the operator creates once per InferenceDeployment and uses for its own
@@ -31,6 +32,7 @@ import yaml
 
 from kvtune_engine.config import RESTART_KNOBS, EngineConfig
 from kvtune_operator.model import API_VERSION, KIND, InferenceDeployment
+from kvtune_operator.pod_stop import DRAIN_TIMEOUT_S, PRESTOP_SLEEP_S, TERMINATION_GRACE_S
 from kvtune_operator.render_vllm import VLLM_COMMAND, vllm_args, vllm_restart_hash
 
 TEMPLATES = Path(__file__).with_name("templates")
@@ -135,6 +137,7 @@ def engine_args(infd: InferenceDeployment) -> list[str]:
         "--port", str(PORT),
         "--admin-port", str(ADMIN_PORT),
         "--config-file", CONFIG_FILE,
+        "--shutdown-timeout", str(DRAIN_TIMEOUT_S),
         # The engine defaults to CPU; pods with GPUs run it on CUDA. extraArgs come last and win.
         "--device", "cuda" if spec.resources.gpus else "cpu",
         *(spec.extra_args or []),
@@ -290,6 +293,8 @@ def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: s
         "port": PORT,
         "admin_port": None if infd.spec.runtime == "vllm" else ADMIN_PORT,
         "uid": ENGINE_UID,
+        "termination_grace_s": TERMINATION_GRACE_S,
+        "prestop_sleep_s": PRESTOP_SLEEP_S,
         "env": _env_list(infd),
         "network_rules": _network_rules(infd, allow_namespaces),
         "resources": _resources(infd),

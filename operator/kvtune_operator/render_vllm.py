@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.knobs import TABLE
+from kvtune_operator.pod_stop import DRAIN_TIMEOUT_S
 
 #: vLLM's official OpenAI-server image, of the version whose metrics and flags kvtune reads
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
@@ -41,15 +42,10 @@ def knob_flags(config: EngineConfig, omit: frozenset[str] = frozenset()) -> list
     return out
 
 
-#: seconds a stopping vLLM pod drains its requests (under the pods' 60 s terminationGracePeriodSeconds):
-#: vLLM's default 0 aborts them (HTTP 500), and every vLLM change is a rollout that stops the old pods
-SHUTDOWN_TIMEOUT_S = 50
-
-
 def vllm_args(model_path: str, served_name: str, port: int, config: EngineConfig, *,
               omit: frozenset[str] = frozenset(), extra: list[str] | None = None) -> list[str]:
     return [model_path, "--served-model-name", served_name, "--host", "0.0.0.0", "--port", str(port),
-            "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), *knob_flags(config, omit), *(extra or [])]
+            "--shutdown-timeout", str(DRAIN_TIMEOUT_S), *knob_flags(config, omit), *(extra or [])]
 
 
 def vllm_restart_hash(config: EngineConfig) -> str:

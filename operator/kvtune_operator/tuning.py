@@ -333,7 +333,8 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         apply = mode == AutotuneMode.APPLY
         repeated = not apply and (tuning.get("lastChange") or {}).get("after") == _camel(d.changes)
         if not repeated:  # Recommend mode: one event per new recommendation, not one per tick
-            record(_decision(now, "Apply" if apply else "Recommend", f"{rnd.diagnosis.message} {d.reason}".strip(),
+            said = d.explained(rnd.diagnosis.message, rnd.diagnosis.suggestion)
+            record(_decision(now, "Apply" if apply else "Recommend", said,
                              cause=rnd.diagnosis.cause, restart=d.restart or spec.runtime == "vllm",
                              before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
                              predicted=_predicted(window_figures(d.predicted) if d.predicted else None)), "Normal")

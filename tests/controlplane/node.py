@@ -39,7 +39,8 @@ What it does, polling the apiserver every `poll_interval` seconds:
     become this interpreter; other names are looked up on PATH with this venv's ``bin`` first. For
     anything else, set `translate` to a function ``(pod, container, argv) -> argv``.
 * It stops the process (SIGTERM to its main process, as a container runtime does; SIGKILL to its
-  process group after the grace period, 30 s at most)
+  process group after the grace period, 30 s at most, counted from the start of a ``preStop``
+  ``sleep`` hook, which it waits out first while the process serves on; no other kind of hook)
   when the pod is deleted, or is replaced (new uid). Pods outside `namespaces` are no longer its
   business: their processes stop and their status is left as it was.
 * Like a kubelet with ``restartPolicy: Always``, it restarts a process that exits, in the same pod
@@ -136,6 +137,7 @@ class LocalPod:
     ports: dict[int, int] = field(default_factory=dict)
     metrics_port: int | None = None   # the local port Prometheus scrapes (default: ``port``)
     grace_seconds: float = 10.0
+    prestop_sleep_s: float = 0.0      # lifecycle.preStop.sleep.seconds
     metrics_path: str = "/metrics"
     env: dict[str, str] = field(default_factory=dict)
     #: What the node reports in the pod's status (state, restarts, readiness); see container.py.
@@ -255,7 +257,7 @@ class PodNode:
         if self._thread is not None:
             self._thread.join(timeout=60)
         with self._lock:
-            self._stop_pods(list(self.pods), "pod node stopping")
+            self._stop_pods(list(self.pods), "pod node stopping", hooks=False)
         if self.sd_file and self.sd_file.parent.is_dir():
             write_sd_file(self.sd_file, [])
         self._log.close()
@@ -366,7 +368,7 @@ class PodNode:
         # Stop the processes from this thread: they die with it (PR_SET_PDEATHSIG), so this is the
         # last moment for a graceful SIGTERM.
         with self._lock:
-            self._stop_pods(list(self.pods), "pod node stopping")
+            self._stop_pods(list(self.pods), "pod node stopping", hooks=False)
 
     def reconcile(self) -> None:
         pods = self._call(self._api.list_pod_for_all_namespaces, label_selector=self.selector)["items"]
@@ -383,8 +385,10 @@ class PodNode:
         with self._lock:
             gone = [k for k in self.pods if k not in wanted]
             replaced = [k for k, lp in self.pods.items() if k in wanted and wanted[k]["metadata"]["uid"] != lp.uid]
-            self._stop_pods(gone, "pod gone, deleting, not Running or outside `namespaces`")
-            self._stop_pods(replaced, "pod replaced")
+        # not under the lock: the other pods' clients keep finding them while these drain
+        self._stop_pods(gone, "pod gone, deleting, not Running or outside `namespaces`")
+        self._stop_pods(replaced, "pod replaced")
+        with self._lock:
             for key, pod in wanted.items():
                 if key not in self.pods:
                     try:
@@ -453,6 +457,8 @@ class PodNode:
             ports=port_map, metrics_port=port_map.get(scraped) if scraped is not None else None,
             workdir=workdir, proc=None, mounts=mounts,  # type: ignore[arg-type]  # _spawn sets it
             grace_seconds=min(float(grace if grace is not None else 10), 30.0),
+            prestop_sleep_s=float((((container.get("lifecycle") or {}).get("preStop") or {}).get("sleep")
+                                   or {}).get("seconds") or 0),
             metrics_path=(md.get("annotations") or {}).get("prometheus.io/path", "/metrics"),
             env=env, status=status, backoff=BackOff(*self.backoff),
             readiness=Probe.from_spec(container.get("readinessProbe")),
@@ -558,13 +564,19 @@ class PodNode:
             period = lp.readiness.period if (lp.readiness and st.ready) else self.probe_interval
             lp.stopping.wait(period)
 
-    def _stop_pods(self, keys: list[tuple[str, str]], why: str) -> None:
-        """SIGTERM their main processes at once, SIGKILL what is left of their groups after the grace
-        period: a container runtime signals the container's PID 1 only, which stops its own children
-        (vLLM's API server drains its requests; its engine and worker signalled too would die first)."""
-        lps = [lp for lp in (self.pods.pop(k, None) for k in keys) if lp is not None]
+    def _stop_pods(self, keys: list[tuple[str, str]], why: str, *, hooks: bool = True) -> None:
+        """Out of the Services at once (``urls_for_selector``); the ``preStop`` sleep, in which they
+        still serve the requests sent before; SIGTERM to their main processes; SIGKILL to what is
+        left of their groups at the end of the grace period. A container runtime signals the
+        container's PID 1 only, which stops its own children (vLLM's API server drains its
+        requests; its engine and worker signalled too would die first)."""
+        with self._lock:
+            lps = [lp for lp in (self.pods.pop(k, None) for k in keys) if lp is not None]
         if not lps:
             return
+        deadline = time.monotonic() + max(lp.grace_seconds for lp in lps)
+        hook = max((lp.prestop_sleep_s for lp in lps if lp.exited is None), default=0.0) if hooks else 0.0
+        time.sleep(min(hook, max(0.0, deadline - time.monotonic())))
         for lp in lps:
             lp.stopping.set()  # ends its prober
             if lp.exited is not None:
@@ -573,7 +585,6 @@ class PodNode:
                 os.kill(lp.proc.pid, signal.SIGTERM)
             except (ProcessLookupError, PermissionError):
                 pass
-        deadline = time.monotonic() + max(lp.grace_seconds for lp in lps)
         while time.monotonic() < deadline and any(lp.proc.popen.poll() is None for lp in lps):
             time.sleep(0.05)
         for lp in lps:

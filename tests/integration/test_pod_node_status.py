@@ -146,5 +146,33 @@ def test_ready_only_once_the_probe_answers_and_rollouts_wait_for_it(controlplane
         controlplane.kubectl("rollout", "status", "deployment/gated", "-n", namespace, "--timeout=60s")
 
 
+def test_a_deleted_pod_leaves_the_service_at_once_and_serves_through_its_prestop_sleep(
+        controlplane, pod_node, namespace):
+    """A rollout's old pod stops while its clients still send to it: out of the Service's endpoints
+    first, then the ``preStop`` sleep in which it still answers, then SIGTERM."""
+    container = {"command": ["python3", str(HEALTH_SERVER)], "ports": [{"containerPort": 8000, "name": "http"}],
+                 "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 1},
+                 "lifecycle": {"preStop": {"sleep": {"seconds": 3}}}}
+    body = json.loads(deployment(namespace, "draining", container))
+    body["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 10
+    labels = {"kvtune.io/inference-deployment": "draining"}
+    controlplane.kubectl("apply", "-f", "-", input=json.dumps(body))
+    with pod_node.restricted_to(namespace):
+        (old,) = pod_node.wait_for_selector(namespace, labels, timeout=60)
+        eventually(lambda: pod_node.urls_for_selector(namespace, labels) == [old.url], timeout=20, what="Ready")
+        controlplane.kubectl("delete", "pod", old.name, "-n", namespace, "--wait=false")
+        eventually(lambda: old.url not in pod_node.urls_for_selector(namespace, labels), timeout=20, interval=0.05,
+                   what="the deleted pod to leave the Service")
+        left = time.monotonic()
+        while True:
+            try:
+                assert httpx.get(old.url + "/health", timeout=1).status_code == 200
+            except httpx.TransportError:
+                break
+            time.sleep(0.05)
+        served_s = time.monotonic() - left
+        assert 2.5 <= served_s <= 8, served_s
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))

@@ -72,7 +72,7 @@ def test_deployment_contract_with_the_engine():
     assert c["command"] == ["kvtune", "serve"]
     assert c["args"] == ["--model", "/models/qwen", "--served-model-name", "q", "--host", "0.0.0.0",
                          "--port", "8000", "--admin-port", "8001", "--config-file", "/etc/kvtune/engine.yaml",
-                         "--device", "cuda", "--device", "cpu"]
+                         "--shutdown-timeout", "50", "--device", "cuda", "--device", "cpu"]
     # the API on 8000; /metrics and the admin API on 8001, which Prometheus scrapes
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"},
                           {"name": "admin", "containerPort": 8001, "protocol": "TCP"}]

@@ -54,12 +54,17 @@ def test_vllm_command_line_carries_every_knob_in_vllms_flags():
     assert parse_knobs(a) == {k: v for k, v in cfg.model_dump().items() if k != "kv_cache_memory"}
 
 
-def test_a_stopping_vllm_pod_drains_its_requests_within_the_grace_period():
-    """vLLM's default --shutdown-timeout 0 aborts in-flight requests when a rollout stops the old pod."""
-    out = {c["kind"]: c for c in r.render_children(infd(), EngineConfig(), image=DEFAULT_VLLM_IMAGE, pod_monitor=False)}
+@pytest.mark.parametrize("runtime", ["vllm", "kvtune"])
+def test_a_stopping_engine_pod_serves_on_then_drains_its_requests_within_the_grace_period(runtime):
+    """A rollout stops the old pod while clients still send to it: it serves through a preStop sleep
+    (the endpoints forget it meanwhile), then drains (vLLM's default --shutdown-timeout 0 aborts the
+    requests in flight), all before the grace period's SIGKILL."""
+    out = {c["kind"]: c for c in r.render_children(infd(runtime=runtime), EngineConfig(), image="i", pod_monitor=False)}
     pod = out["Deployment"]["spec"]["template"]["spec"]
-    a = pod["containers"][0]["args"]
-    assert 0 < int(a[a.index("--shutdown-timeout") + 1]) < pod["terminationGracePeriodSeconds"]
+    c = pod["containers"][0]
+    sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    drain = int(c["args"][c["args"].index("--shutdown-timeout") + 1])
+    assert sleep >= 5 and drain >= 30 and sleep + drain < pod["terminationGracePeriodSeconds"]
 
 
 def test_no_swap_means_no_offloading_and_unset_model_len_is_left_to_vllm():

@@ -28,6 +28,17 @@ def test_choose_takes_the_best_goodput_and_says_why():
     assert "5 -> 8" in d.reason and "live change" in d.reason
 
 
+def test_the_message_says_when_the_predictions_chose_another_value_than_the_diagnosis():
+    d = choose(BASE, summ(5.0), [(BASE.with_changes(max_num_seqs=128), summ(8.0)),
+                                 (BASE.with_changes(max_num_seqs=96), summ(6.0))], OBJ)
+    said = d.explained("Requests wait on the sequence cap; raising maxNumSeqs to 96 fits in the free blocks.",
+                       {"max_num_seqs": 96})
+    assert said.startswith("Requests wait on the sequence cap; raising maxNumSeqs to 96 fits")
+    assert "The replayed trace predicts more from maxNumSeqs 128 than from 96. Changing maxNumSeqs 64 -> 128" in said
+    agreed = d.explained("Raise maxNumSeqs to 128.", {"max_num_seqs": 128})
+    assert agreed == f"Raise maxNumSeqs to 128. {d.reason}"
+
+
 def test_choose_keeps_the_config_when_nothing_is_clearly_better():
     cand = BASE.with_changes(max_num_seqs=96)
     d = choose(BASE, summ(5.0), [(cand, summ(5.05))], OBJ)  # +1% < min_gain

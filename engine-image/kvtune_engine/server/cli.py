@@ -96,12 +96,16 @@ def _listen(host: str, port: int) -> socket.socket:
               help="YAML of engine knobs, watched: live knobs apply on change (a mounted ConfigMap).")
 @click.option("--max-waiting", type=click.IntRange(min=1), default=None,
               help="Bound of the waiting queue; beyond it requests get 503 with Retry-After.")
+@click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=5.0, show_default=True, metavar="SECONDS",
+              help="On SIGTERM the server takes no new request and lets those in flight (queued ones too) "
+                   "finish for at most this long, then cancels them (a pod's grace period minus its preStop).")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str, device_memory: float | None,
           host: str, port: int | None, admin_port: int | None,
           api_key: str | None, admin_key: str | None, max_body_mib: float, enable_prompt_tokens_details: bool,
-          config_file: str | None, max_waiting: int | None, log_level: str, **flags: Any) -> None:
+          config_file: str | None, max_waiting: int | None, shutdown_timeout: float, log_level: str,
+          **flags: Any) -> None:
     """Serve a model: OpenAI-compatible API, /metrics, and the admin API under /kvtune/v1/."""
     # OpenMP threads that spin at barriers hold the cores their partners need whenever anything else
     # runs (other pods, the server's own threads): small ops then wait out whole time slices. Must be
@@ -181,7 +185,7 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     if admin_port is not None:
         log.info("/metrics and the admin API on port %d only", admin_port)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                                           timeout_graceful_shutdown=5))
+                                           timeout_graceful_shutdown=shutdown_timeout))
     # one server (one lifespan, one engine loop) on one or two listening sockets
     sockets = [_listen(host, p) for p in (port, admin_port) if p is not None]
     try:

@@ -156,6 +156,17 @@ class Decision:
         p = _f(self.predicted, "goodput_requests_per_s")
         return (p - b) / b if b > 0 else (1.0 if p > 0 else 0.0)
 
+    def explained(self, diagnosis_message: str, suggestion: Mapping[str, Any]) -> str:
+        """The diagnosis, then this change. Where the predictions chose another value than the one
+        the diagnosis' figures suggest, say so, or "raising maxNumSeqs to 32 ..." is followed by
+        "Changing maxNumSeqs 2 -> 64"."""
+        other = [k for k, v in suggestion.items() if k in self.changes and self.changes[k] != v]
+        bridge = ""
+        if other:
+            bridge = ("The replayed trace predicts more from " + ", ".join(
+                f"{BY_NAME[k].camel} {self.changes[k]!r} than from {suggestion[k]!r}" for k in other) + ". ")
+        return f"{diagnosis_message} {bridge}{self.reason}".strip()
+
 
 def choose(current: EngineConfig, baseline: Mapping[str, Any],
            predictions: Sequence[tuple[EngineConfig, Mapping[str, Any]]], objectives: Objectives,
