@@ -2,9 +2,9 @@
 
 Kernel level: block sizes 8..128, ragged lengths (1, partial and exact blocks), GQA groups 1/2/4,
 head_dim 24..128, shuffled blocks, blocks shared by several sequences (prefix hits), bf16.
-Runner level: the same requests through the runner with the kernel (the CPU default) and with the
-reference, under prefix caching, chunked prefill and swap out/in: identical greedy tokens and
-logprobs within 1e-5.
+Runner level: the same requests through the runner with the kernel (the CPU default: decodes and
+prefill chunks) and with the reference (batched decode, SDPA per prefill chunk), under prefix
+caching, chunked prefill and swap out/in: identical greedy tokens and logprobs within 1e-5.
 """
 from __future__ import annotations
 
@@ -95,8 +95,9 @@ def test_runner_kernel_matches_reference(tiny_model, drive, arch):
                        enable_chunked_prefill=True, watermark=0.0)
     fast = ModelRunner(d, cfg, seed=0, num_blocks=12, num_swap_blocks=64)
     assert fast.model.decode_fn is cpu_paged.paged_decode_cpu  # the CPU default
+    assert fast.fold_prefills  # and the kernel attends the prefill chunks too, row by row
     ref = ModelRunner(d, cfg, seed=0, num_blocks=12, num_swap_blocks=64)
-    ref.model.decode_fn = None
+    ref.model.decode_fn, ref.fold_prefills = None, False
     s_fast, got = outputs(fast, cfg, drive)
     s_ref, want = outputs(ref, cfg, drive)
     for s in (s_fast, s_ref):  # the events this test is about really happened

@@ -64,7 +64,18 @@ def test_swap_out_and_in_move_whole_blocks(runner):
     assert torch.equal(k[:, :, 7], k3) and torch.equal(v[:, :, 7], v3)
 
 
-def test_flat_inputs_put_decodes_first(runner):
+@pytest.mark.parametrize("fold", [False, True])
+def test_flat_inputs_put_decodes_first(runner, fold):
+    """fold: the CPU kernel attends the prefill chunks too, one row per token over its prefix."""
+    assert runner.fold_prefills  # float32 on CPU with the kernel built: the default
+    runner.fold_prefills = fold
+    try:
+        _check_flat_inputs(runner, fold)
+    finally:
+        runner.fold_prefills = True
+
+
+def _check_flat_inputs(runner, fold: bool) -> None:
     a = Request(list(range(40)))                 # prefill chunk [16, 40) after a cached prefix
     b = Request([5, 6, 7], output_token_ids=[8])  # decode of its output token at position 3
     c = Request([9] * 20)                         # chunk [0, 16), not sampled
@@ -76,8 +87,13 @@ def test_flat_inputs_put_decodes_first(runner):
     assert pos.tolist() == [3] + list(range(16, 40)) + list(range(16))
     assert meta.slot_mapping.tolist() == ([6 * 16 + 3] + [2 * 16 + i for i in range(16)]
                                           + [8 * 16 + i for i in range(8)] + [16 + i for i in range(16)])
-    assert meta.num_decodes == 1 and meta.decode_context_lens_list == [4]
-    assert [(p.start, p.num_tokens, p.start_pos) for p in meta.prefills] == [(1, 24, 16), (25, 16, 0)]
+    if fold:
+        assert meta.num_decodes == 41 and not meta.prefills
+        assert meta.decode_context_lens_list == [4] + list(range(17, 41)) + list(range(1, 17))
+        assert meta.decode_block_tables.tolist() == [[6, 0, 0]] + [[4, 2, 8]] * 24 + [[1, 0, 0]] * 16
+    else:
+        assert meta.num_decodes == 1 and meta.decode_context_lens_list == [4]
+        assert [(p.start, p.num_tokens, p.start_pos) for p in meta.prefills] == [(1, 24, 16), (25, 16, 0)]
     assert rows == [24, 0]  # last row of a, then b (batch order of the sampled sequences)
     out = runner.execute(Batch(seqs=seqs))
     assert out.tokens[2] is None and isinstance(out.tokens[0], int) and isinstance(out.tokens[1], int)

@@ -77,26 +77,86 @@ inline void for_each_row(const float* head, const float* after, const int64_t* t
   }
 }
 
+// the 16 horizontal sums of a[0..15] in one vector, in 15 shuffle-and-add steps instead of 16
+// separate reductions (each a chain of 4 dependent steps): pairs of vectors are folded halves
+// against halves, then quarters, eighths and pairs of lanes. Output lane l holds the sum of
+// a[bitrev4(l)], so the caller stores accumulator k at bitrev4(k).
+constexpr int bitrev4(int i) { return ((i & 1) << 3) | ((i & 2) << 1) | ((i & 4) >> 1) | ((i & 8) >> 3); }
+
+inline v16f fold16(v16f x, v16f y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline v16f fold8(v16f x, v16f y) {
+  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+         __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+inline v16f fold4(v16f x, v16f y) {
+  return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+inline v16f fold2(v16f x, v16f y) {
+  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+inline v16f reduce16(const v16f* a) {
+  v16f b[8], c[4];
+  for (int i = 0; i < 8; ++i) b[i] = fold16(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) c[i] = fold8(b[2 * i], b[2 * i + 1]);
+  return fold2(fold4(c[0], c[1]), fold4(c[2], c[3]));
+}
+
 // One (sequence, kv head) task in float32 with the GQA group size G and head_dim D known at compile
 // time: q, the accumulators and one K/V row live in registers (the generic loop below keeps its
 // accumulators in memory: 1.4x slower on cache-resident contexts), and each row prefetches the row
 // of the next block (blocks lie anywhere: the hardware prefetcher starts over at each one; 1.25x at
-// 256 sequences of the benchmark's model, whose K/V do not fit in cache).
+// 256 sequences of the benchmark's model, whose K/V do not fit in cache). Scores are made 16 at a
+// time (16 / G rows for each of the G heads), reduced together by reduce16: the per-score
+// reductions had made the kernel compute-bound even on contexts that stream from memory.
 template <int G, int D>
 inline void decode_task_f32(const float* q, int64_t q_stride_h, const float* kh, const float* vh,
                             const int64_t* table, int64_t ctx, int64_t bs, float scale, float* scores, float* out) {
   constexpr int C = D / 16;
+  constexpr int NT = 16 / G;  // rows per group of 16 scores
   v16f qv[G][C];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) qv[j][c] = load16(q + j * q_stride_h + 16 * c) * scale;
-  const int64_t last = table[(ctx + bs - 1) / bs - 1];
-  for_each_row<D>(kh, vh + table[0] * bs * D, table, ctx, bs, [&](int64_t t, const v16f* kv) {  // then V's first
-    for (int j = 0; j < G; ++j) {
-      v16f acc = qv[j][0] * kv[0];
-      for (int c = 1; c < C; ++c) acc += qv[j][c] * kv[c];
-      scores[j * ctx + t] = hsum(acc);
+  const int64_t nb = (ctx + bs - 1) / bs;
+  const int64_t last = table[nb - 1];
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* blk = kh + table[b] * bs * D;
+    const float* next = b + 1 < nb ? kh + table[b + 1] * bs * D : vh + table[0] * bs * D;  // then V's first
+    const int64_t t0 = b * bs, tn = std::min(bs, ctx - t0);
+    int64_t t = 0;
+    for (; t + NT <= tn; t += NT) {
+      v16f acc[16];
+#pragma GCC unroll 16
+      for (int i = 0; i < NT; ++i) {
+        for (int c = 0; c < C; c += 4) __builtin_prefetch(next + (t + i) * D + 16 * c);
+        v16f kv[C];
+        for (int c = 0; c < C; ++c) kv[c] = load16(blk + (t + i) * D + 16 * c);
+#pragma GCC unroll 8
+        for (int j = 0; j < G; ++j) {
+          v16f a = qv[j][0] * kv[0];
+          for (int c = 1; c < C; ++c) a += qv[j][c] * kv[c];
+          acc[bitrev4(j * NT + i)] = a;
+        }
+      }
+      const v16f r = reduce16(acc);
+      for (int j = 0; j < G; ++j) std::memcpy(scores + j * ctx + t0 + t, reinterpret_cast<const float*>(&r) + j * NT,
+                                              NT * sizeof(float));
     }
-  });
+    for (; t < tn; ++t) {  // the block's last rows, fewer than NT
+      for (int c = 0; c < C; c += 4) __builtin_prefetch(next + t * D + 16 * c);
+      v16f kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(blk + t * D + 16 * c);
+      for (int j = 0; j < G; ++j) {
+        v16f a = qv[j][0] * kv[0];
+        for (int c = 1; c < C; ++c) a += qv[j][c] * kv[c];
+        scores[j * ctx + t0 + t] = hsum(a);
+      }
+    }
+  }
   softmax_rows(scores, G, ctx);
   v16f acc[G][C];
   for (int j = 0; j < G; ++j)
@@ -139,7 +199,7 @@ void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, co
     std::vector<float> qf(g * d), acc(g * d), scores;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t s = task / hk, h = task % hk;
+      const int64_t s = task % n, h = task / n;  // head-major: rows of one prompt share its K/V in cache
       const int64_t ctx = lens[s];
       if (ctx <= 0) {
         for (int64_t j = 0; j < g; ++j)

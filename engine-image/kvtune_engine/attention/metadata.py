@@ -1,7 +1,7 @@
 """Where each token of a step lives in the paged KV cache, built once per step and shared by all layers.
 
 Flat token order inside one step: all decodes first (one token each, batched), then the prefill
-chunks one after another. Each layer has a K cache and a V cache `[kv_heads, num_blocks, block_size,
+chunks one after another (on CPU most of them attended row by row like the decodes). Each layer has a K cache and a V cache `[kv_heads, num_blocks, block_size,
 head_dim]`: per head, block-major, so gathering a sequence's blocks of one head is a row
 `index_select` that yields its context as one contiguous `[positions, head_dim]` matrix (no
 transpose before the matmuls), and a (head, block) tile is contiguous for Triton loads.
@@ -25,9 +25,11 @@ class PrefillChunk:
 class AttentionMetadata:
     block_size: int
     slot_mapping: torch.Tensor | None          # int64 [T]; None: do not write the cache (profiling)
+    #: leading rows attended one query each over their sequence's cached context: the decodes, and
+    #: on CPU also the prefill tokens the runner folds in (then absent from `prefills`)
     num_decodes: int = 0
     decode_block_tables: torch.Tensor | None = None  # int64 [num_decodes, max_blocks], padded with 0
-    decode_context_lens: torch.Tensor | None = None  # int32 [num_decodes], including the new token
+    decode_context_lens: torch.Tensor | None = None  # int32 [num_decodes], including the row's token
     decode_context_lens_list: list[int] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
     _split: tuple[torch.Tensor, torch.Tensor] | None = None

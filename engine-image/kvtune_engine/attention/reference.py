@@ -150,8 +150,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     The step's new K/V must already be in the cache. `decode_fn` replaces the batched decode
     (the Triton kernel on CUDA) with the signature of `triton_decode.paged_decode_triton`.
     """
-    out = torch.empty_like(q)
     nd = meta.num_decodes
+    if nd == q.shape[0] and not meta.prefills and decode_fn is not None:  # every row in the kernel
+        return decode_fn(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+    out = torch.empty_like(q)
     if nd:
         if decode_fn is not None:
             out[:nd] = decode_fn(q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..attention import AttentionMetadata, PrefillChunk, cpu_paged, flashinfer_decode, triton_decode
 from ..config import EngineConfig
@@ -31,6 +32,11 @@ from .sampler import Sampler
 log = logging.getLogger("kvtune.runner")
 
 CPU_DEFAULT_KV_GIB = 2.0  # CPU runs without kv_cache_memory
+#: Prefill chunks whose context (cached prefix + chunk) is at most this long are attended by the CPU
+#: decode kernel, one row per token: it reads their K/V where they are in the cache, and a chunk's
+#: context stays in cache across its rows. Measured on the benchmark model's shapes (8/4 heads, d 64,
+#: 2 threads): 1.6-2.5x faster than PyTorch's causal SDPA for one chunk of 16-1024 tokens, even at 2048.
+FOLDED_PREFILL_MAX_CONTEXT = 1024
 
 
 def host_memory_bytes() -> int:
@@ -95,6 +101,9 @@ class ModelRunner:
             self.model.decode_fn = cpu_paged.paged_decode_cpu
         if cpu_kernels:
             self.model.write_fn = cpu_paged.write_kv_cpu
+        #: prefill chunks go through the decode kernel too (see FOLDED_PREFILL_MAX_CONTEXT); in float32
+        #: only, where the kernel has its fast path (other dtypes take its generic loop)
+        self.fold_prefills = self.model.decode_fn is cpu_paged.paged_decode_cpu and self.dtype == torch.float32
         if not cuda:
             # build or load the fused ops now, not in the first request's step (a cold build is
             # 30-60 s: the engine is not ready before it, and no step's timing carries it)
@@ -199,11 +208,16 @@ class ModelRunner:
     def prepare(self, seqs: list[ScheduledSeq] | tuple[SeqStep, ...]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
         """Flat inputs: (token ids, positions, attention metadata, order, sample rows).
 
-        `order[j]` is the batch index of the j-th sequence in flat order; `sample rows` are the flat
-        rows whose logits are sampled, in batch order of the sampled sequences."""
+        Flat order: the decodes, then the prefill chunks the decode kernel attends row by row
+        (``fold_prefills``), then the other chunks. `order[j]` is the batch index of the j-th
+        sequence in flat order; `sample rows` are the flat rows whose logits are sampled, in batch
+        order of the sampled sequences."""
         bs, dev = self.block_size, self.device
         dec = [i for i, s in enumerate(seqs) if s.num_tokens == 1]
         pre = [i for i, s in enumerate(seqs) if s.num_tokens != 1]
+        folded = [i for i in pre if self.fold_prefills
+                  and seqs[i].start_pos + seqs[i].num_tokens <= FOLDED_PREFILL_MAX_CONTEXT]
+        rest = [i for i in pre if i not in set(folded)]
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -218,11 +232,14 @@ class ModelRunner:
             lens.append(p + 1)
             tables.append(s.block_table)
         nd = len(dec)
-        prefill_chunks: list[PrefillChunk] = []
         last_row: dict[int, int] = {i: j for j, i in enumerate(dec)}
         slot_parts = [torch.tensor(slots, dtype=torch.int64)]
+        width = max((len(t) for t in tables), default=0)
+        row_tables = [torch.tensor([[*t, *([0] * (width - len(t)))] for t in tables],
+                                   dtype=torch.int64)] if nd else []
+        prefill_chunks: list[PrefillChunk] = []
         off = nd
-        for i in pre:
+        for i in folded + rest:
             s = seqs[i]
             n = s.num_tokens
             ids.extend(s.token_ids)
@@ -230,19 +247,23 @@ class ModelRunner:
             bt = torch.tensor(s.block_table, dtype=torch.int64)
             slot_parts.append(bt[p // bs] * bs + p % bs)
             pos.extend(range(s.start_pos, s.start_pos + n))
-            prefill_chunks.append(PrefillChunk(off, n, s.start_pos, bt.to(dev)))
+            if i in folded:  # n rows, each one query over its prefix of the sequence's cached context
+                lens.extend(range(s.start_pos + 1, s.start_pos + n + 1))
+                row_tables.append(bt.expand(n, -1))
+            else:
+                prefill_chunks.append(PrefillChunk(off, n, s.start_pos, bt.to(dev)))
             off += n
             last_row[i] = off - 1
-        meta = AttentionMetadata(bs, torch.cat(slot_parts).to(dev), num_decodes=nd,
+        rows = len(lens)
+        meta = AttentionMetadata(bs, torch.cat(slot_parts).to(dev), num_decodes=rows,
                                  prefills=prefill_chunks, decode_context_lens_list=lens)
-        if nd:
-            width = max(len(t) for t in tables)
-            meta.decode_block_tables = torch.tensor([[*t, *([0] * (width - len(t)))] for t in tables],
-                                                    dtype=torch.int64, device=dev)
+        if rows:
+            width = max(t.shape[1] for t in row_tables)
+            meta.decode_block_tables = torch.cat([F.pad(t, (0, width - t.shape[1])) for t in row_tables]).to(dev)
             meta.decode_context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
         sample_rows = [last_row[i] for i, s in enumerate(seqs) if s.sample]
         return (torch.tensor(ids, dtype=torch.int64, device=dev), torch.tensor(pos, dtype=torch.int64, device=dev),
-                meta, dec + pre, sample_rows)
+                meta, dec + folded + rest, sample_rows)
 
     # ------------------------------------------------------------------ the step
     @torch.inference_mode()
