@@ -106,6 +106,20 @@ inline v16f reduce16(const v16f* a) {
   return fold2(fold4(c[0], c[1]), fold4(c[2], c[3]));
 }
 
+// the G heads' partial dot products with one K row (lane sums still to take), prefetching `ahead`
+template <int G, int D>
+inline void row_dots(const v16f (&qv)[G][D / 16], const float* row, const float* ahead, v16f* dots) {
+  constexpr int C = D / 16;
+  for (int c = 0; c < C; c += 4) __builtin_prefetch(ahead + 16 * c);
+  v16f kv[C];
+  for (int c = 0; c < C; ++c) kv[c] = load16(row + 16 * c);
+  for (int j = 0; j < G; ++j) {
+    v16f a = qv[j][0] * kv[0];
+    for (int c = 1; c < C; ++c) a += qv[j][c] * kv[c];
+    dots[j] = a;
+  }
+}
+
 // One (sequence, kv head) task in float32 with the GQA group size G and head_dim D known at compile
 // time: q, the accumulators and one K/V row live in registers (the generic loop below keeps its
 // accumulators in memory: 1.4x slower on cache-resident contexts), and each row prefetches the row
@@ -132,29 +146,19 @@ inline void decode_task_f32(const float* q, int64_t q_stride_h, const float* kh,
       v16f acc[16];
 #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
-        for (int c = 0; c < C; c += 4) __builtin_prefetch(next + (t + i) * D + 16 * c);
-        v16f kv[C];
-        for (int c = 0; c < C; ++c) kv[c] = load16(blk + (t + i) * D + 16 * c);
+        v16f dots[G];
+        row_dots<G, D>(qv, blk + (t + i) * D, next + (t + i) * D, dots);
 #pragma GCC unroll 8
-        for (int j = 0; j < G; ++j) {
-          v16f a = qv[j][0] * kv[0];
-          for (int c = 1; c < C; ++c) a += qv[j][c] * kv[c];
-          acc[bitrev4(j * NT + i)] = a;
-        }
+        for (int j = 0; j < G; ++j) acc[bitrev4(j * NT + i)] = dots[j];
       }
       const v16f r = reduce16(acc);
       for (int j = 0; j < G; ++j) std::memcpy(scores + j * ctx + t0 + t, reinterpret_cast<const float*>(&r) + j * NT,
                                               NT * sizeof(float));
     }
     for (; t < tn; ++t) {  // the block's last rows, fewer than NT
-      for (int c = 0; c < C; c += 4) __builtin_prefetch(next + t * D + 16 * c);
-      v16f kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load16(blk + t * D + 16 * c);
-      for (int j = 0; j < G; ++j) {
-        v16f a = qv[j][0] * kv[0];
-        for (int c = 1; c < C; ++c) a += qv[j][c] * kv[c];
-        scores[j * ctx + t0 + t] = hsum(a);
-      }
+      v16f dots[G];
+      row_dots<G, D>(qv, blk + t * D, next + t * D, dots);
+      for (int j = 0; j < G; ++j) scores[j * ctx + t0 + t] = hsum(dots[j]);
     }
   }
   softmax_rows(scores, G, ctx);

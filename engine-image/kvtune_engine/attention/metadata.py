@@ -1,10 +1,11 @@
 """Where each token of a step lives in the paged KV cache, built once per step and shared by all layers.
 
 Flat token order inside one step: all decodes first (one token each, batched), then the prefill
-chunks one after another (on CPU most of them attended row by row like the decodes). Each layer has a K cache and a V cache `[kv_heads, num_blocks, block_size,
-head_dim]`: per head, block-major, so gathering a sequence's blocks of one head is a row
-`index_select` that yields its context as one contiguous `[positions, head_dim]` matrix (no
-transpose before the matmuls), and a (head, block) tile is contiguous for Triton loads.
+chunks one after another (on CPU most of them attended row by row like the decodes). Each layer has
+a K cache and a V cache `[kv_heads, num_blocks, block_size, head_dim]`: per head, block-major, so
+gathering a sequence's blocks of one head is a row `index_select` that yields its context as one
+contiguous `[positions, head_dim]` matrix (no transpose before the matmuls), and a (head, block)
+tile is contiguous for Triton loads.
 """
 from __future__ import annotations
 
