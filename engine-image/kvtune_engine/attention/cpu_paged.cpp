@@ -12,6 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "vec_math.h"
@@ -40,81 +41,92 @@ inline void softmax_rows(float* scores, int64_t g, int64_t ctx) {
   }
 }
 
-// 16 floats as one value (GCC/Clang vector extension: AVX-512 with -march=native where the CPU has
-// it, pairs of AVX2 registers otherwise); unaligned loads through memcpy
-typedef float v16f __attribute__((vector_size(64)));
+// W floats as one value, W the width of the CPU's vector registers (GCC/Clang vector extension;
+// unaligned loads through memcpy). Wider than the registers is much slower, not just no faster: a
+// 16-float value on an AVX2 CPU (Zen 3) made each K row and head cost ~120 cycles instead of ~25,
+// mostly in the shuffles of the reduction below, which the compiler then lowers lane by lane.
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#elif defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;  // SSE, NEON
+#endif
+typedef float vf __attribute__((vector_size(W * sizeof(float))));
 
-inline v16f load16(const float* p) {
-  v16f v;
+inline vf loadv(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline float hsum(v16f v) {
+inline float hsum(vf v) {
   float r = 0.f;
-  for (int i = 0; i < 16; ++i) r += v[i];
+  for (int i = 0; i < W; ++i) r += v[i];
   return r;
 }
 
-// body(t, row) for each of a sequence's ctx rows of one head's cache (row: D floats as D/16 vectors),
+// the next block's row is prefetched 256 bytes at a time (the adjacent-line prefetcher does the rest)
+constexpr int PREFETCH_FLOATS = 64;
+
+// body(t, row) for each of a sequence's ctx rows of one head's cache (row: D floats as D/W vectors),
 // block by block through its table; each row prefetches the same row of the next block, and the
 // last block's rows those of ``after``
 template <int D, typename Body>
 inline void for_each_row(const float* head, const float* after, const int64_t* table, int64_t ctx, int64_t bs,
                          Body&& body) {
-  constexpr int C = D / 16;
+  constexpr int C = D / W;
   const int64_t nb = (ctx + bs - 1) / bs;
   for (int64_t b = 0; b < nb; ++b) {
     const float* blk = head + table[b] * bs * D;
     const float* next = b + 1 < nb ? head + table[b + 1] * bs * D : after;
     const int64_t t0 = b * bs, tn = std::min(bs, ctx - t0);
     for (int64_t t = 0; t < tn; ++t) {
-      for (int c = 0; c < C; c += 4) __builtin_prefetch(next + t * D + 16 * c);
-      v16f row[C];
-      for (int c = 0; c < C; ++c) row[c] = load16(blk + t * D + 16 * c);
+      for (int x = 0; x < D; x += PREFETCH_FLOATS) __builtin_prefetch(next + t * D + x);
+      vf row[C];
+      for (int c = 0; c < C; ++c) row[c] = loadv(blk + t * D + W * c);
       body(t0 + t, row);
     }
   }
 }
 
-// the 16 horizontal sums of a[0..15] in one vector, in 15 shuffle-and-add steps instead of 16
-// separate reductions (each a chain of 4 dependent steps): pairs of vectors are folded halves
-// against halves, then quarters, eighths and pairs of lanes. Output lane l holds the sum of
-// a[bitrev4(l)], so the caller stores accumulator k at bitrev4(k).
-constexpr int bitrev4(int i) { return ((i & 1) << 3) | ((i & 2) << 1) | ((i & 4) >> 1) | ((i & 8) >> 3); }
+// The W horizontal sums of a[0..W-1] in one vector, in W-1 shuffle-and-add steps instead of W
+// separate reductions (each a chain of log2(W) dependent steps). Each step folds two vectors into
+// one, lane groups of 2S against each other (S = W/2, then W/4, ..., 1): lane l of the result
+// takes, within its group of 2S lanes, the first S lanes' sum from x, the last S from y. Output
+// lane l holds the sum of a[bitrev(l)] (log2(W) bits), so the caller stores vector k at bitrev(k).
+constexpr int LOG2W = W == 16 ? 4 : W == 8 ? 3 : 2;
+constexpr int bitrev(int i) {
+  int r = 0;
+  for (int b = 0; b < LOG2W; ++b) r |= ((i >> b) & 1) << (LOG2W - 1 - b);
+  return r;
+}
+constexpr int fold_index(int s, int l) { return (l % (2 * s) < s ? 0 : W - s) + l; }
 
-inline v16f fold16(v16f x, v16f y) {
-  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-         __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+template <int S, std::size_t... L>
+inline vf fold(vf x, vf y, std::index_sequence<L...>) {
+  return __builtin_shufflevector(x, y, fold_index(S, L)...) + __builtin_shufflevector(x, y, (fold_index(S, L) + S)...);
 }
-inline v16f fold8(v16f x, v16f y) {
-  return __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-         __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-}
-inline v16f fold4(v16f x, v16f y) {
-  return __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-         __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-}
-inline v16f fold2(v16f x, v16f y) {
-  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
-inline v16f reduce16(const v16f* a) {
-  v16f b[8], c[4];
-  for (int i = 0; i < 8; ++i) b[i] = fold16(a[2 * i], a[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) c[i] = fold8(b[2 * i], b[2 * i + 1]);
-  return fold2(fold4(c[0], c[1]), fold4(c[2], c[3]));
+
+template <int S = W / 2>
+inline vf reduce_lanes(vf* a) {  // a[0..2S-1], overwritten
+  for (int i = 0; i < S; ++i) a[i] = fold<S>(a[2 * i], a[2 * i + 1], std::make_index_sequence<W>{});
+  if constexpr (S > 1) {
+    return reduce_lanes<S / 2>(a);
+  } else {
+    return a[0];
+  }
 }
 
 // the G heads' partial dot products with one K row (lane sums still to take), prefetching `ahead`
 template <int G, int D>
-inline void row_dots(const v16f (&qv)[G][D / 16], const float* row, const float* ahead, v16f* dots) {
-  constexpr int C = D / 16;
-  for (int c = 0; c < C; c += 4) __builtin_prefetch(ahead + 16 * c);
-  v16f kv[C];
-  for (int c = 0; c < C; ++c) kv[c] = load16(row + 16 * c);
+inline void row_dots(const vf (&qv)[G][D / W], const float* row, const float* ahead, vf* dots) {
+  constexpr int C = D / W;
+  for (int x = 0; x < D; x += PREFETCH_FLOATS) __builtin_prefetch(ahead + x);
+  vf kv[C];
+  for (int c = 0; c < C; ++c) kv[c] = loadv(row + W * c);
   for (int j = 0; j < G; ++j) {
-    v16f a = qv[j][0] * kv[0];
+    vf a = qv[j][0] * kv[0];
     for (int c = 1; c < C; ++c) a += qv[j][c] * kv[c];
     dots[j] = a;
   }
@@ -124,17 +136,18 @@ inline void row_dots(const v16f (&qv)[G][D / 16], const float* row, const float*
 // time: q, the accumulators and one K/V row live in registers (the generic loop below keeps its
 // accumulators in memory: 1.4x slower on cache-resident contexts), and each row prefetches the row
 // of the next block (blocks lie anywhere: the hardware prefetcher starts over at each one; 1.25x at
-// 256 sequences of the benchmark's model, whose K/V do not fit in cache). Scores are made 16 at a
-// time (16 / G rows for each of the G heads), reduced together by reduce16: the per-score
+// 256 sequences of the benchmark's model, whose K/V do not fit in cache). Scores are made W at a
+// time (W / G rows for each of the G heads), reduced together by reduce_lanes: the per-score
 // reductions had made the kernel compute-bound even on contexts that stream from memory.
 template <int G, int D>
 inline void decode_task_f32(const float* q, int64_t q_stride_h, const float* kh, const float* vh,
                             const int64_t* table, int64_t ctx, int64_t bs, float scale, float* scores, float* out) {
-  constexpr int C = D / 16;
-  constexpr int NT = 16 / G;  // rows per group of 16 scores
-  v16f qv[G][C];
+  static_assert(G <= W && D % W == 0, "a GQA group wider than a vector, or a head_dim not a multiple of it");
+  constexpr int C = D / W;
+  constexpr int NT = W / G;  // rows per group of W scores
+  vf qv[G][C];
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < C; ++c) qv[j][c] = load16(q + j * q_stride_h + 16 * c) * scale;
+    for (int c = 0; c < C; ++c) qv[j][c] = loadv(q + j * q_stride_h + W * c) * scale;
   const int64_t nb = (ctx + bs - 1) / bs;
   const int64_t last = table[nb - 1];
   for (int64_t b = 0; b < nb; ++b) {
@@ -143,44 +156,54 @@ inline void decode_task_f32(const float* q, int64_t q_stride_h, const float* kh,
     const int64_t t0 = b * bs, tn = std::min(bs, ctx - t0);
     int64_t t = 0;
     for (; t + NT <= tn; t += NT) {
-      v16f acc[16];
+      vf acc[W];
 #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
-        v16f dots[G];
+        vf dots[G];
         row_dots<G, D>(qv, blk + (t + i) * D, next + (t + i) * D, dots);
-#pragma GCC unroll 8
-        for (int j = 0; j < G; ++j) acc[bitrev4(j * NT + i)] = dots[j];
+#pragma GCC unroll 16
+        for (int j = 0; j < G; ++j) acc[bitrev(j * NT + i)] = dots[j];
       }
-      const v16f r = reduce16(acc);
+      const vf r = reduce_lanes(acc);
       for (int j = 0; j < G; ++j) std::memcpy(scores + j * ctx + t0 + t, reinterpret_cast<const float*>(&r) + j * NT,
                                               NT * sizeof(float));
     }
     for (; t < tn; ++t) {  // the block's last rows, fewer than NT
-      v16f dots[G];
+      vf dots[G];
       row_dots<G, D>(qv, blk + t * D, next + t * D, dots);
       for (int j = 0; j < G; ++j) scores[j * ctx + t0 + t] = hsum(dots[j]);
     }
   }
   softmax_rows(scores, G, ctx);
-  v16f acc[G][C];
+  vf acc[G][C];
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < C; ++c) acc[j][c] = v16f{};
-  for_each_row<D>(vh, vh + last * bs * D, table, ctx, bs, [&](int64_t t, const v16f* vv) {
+    for (int c = 0; c < C; ++c) acc[j][c] = vf{};
+  for_each_row<D>(vh, vh + last * bs * D, table, ctx, bs, [&](int64_t t, const vf* vv) {
     for (int j = 0; j < G; ++j) {
       const float p = scores[j * ctx + t];
       for (int c = 0; c < C; ++c) acc[j][c] += p * vv[c];
     }
   });
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < C; ++c) std::memcpy(out + j * D + 16 * c, &acc[j][c], sizeof(v16f));
+    for (int c = 0; c < C; ++c) std::memcpy(out + j * D + W * c, &acc[j][c], sizeof(vf));
 }
 
 using TaskF32 = void (*)(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t,
                          float, float*, float*);
 
-// the compiled-in (G, D) cases (the GQA groups and head sizes of the Llama/Qwen family); nullptr: generic loop
+// the compiled-in (G, D) cases (the GQA groups and head sizes of the Llama/Qwen family) that fit the
+// vector width; nullptr: generic loop
+template <int G, int D>
+constexpr TaskF32 task_if_fits() {
+  if constexpr (G <= W) {
+    return &decode_task_f32<G, D>;
+  } else {
+    return nullptr;
+  }
+}
+
 inline TaskF32 fixed_task(int64_t g, int64_t d) {
-#define KVTUNE_CASE(G, D) if (g == G && d == D) return &decode_task_f32<G, D>;
+#define KVTUNE_CASE(G, D) if (g == G && d == D) return task_if_fits<G, D>();
   KVTUNE_CASE(1, 64) KVTUNE_CASE(2, 64) KVTUNE_CASE(4, 64) KVTUNE_CASE(8, 64)
   KVTUNE_CASE(1, 128) KVTUNE_CASE(2, 128) KVTUNE_CASE(4, 128) KVTUNE_CASE(8, 128)
 #undef KVTUNE_CASE
