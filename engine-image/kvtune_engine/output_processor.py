@@ -141,7 +141,8 @@ class OutputProcessor:
                 log.exception("output processing failed for request %s", tr.request.request_id)
                 o = self.fail(tr.request.request_id, f"output processing failed: {type(e).__name__}: {e}", now)
             gen += len(new)
-            outputs.append(o)
+            if o is not None:
+                outputs.append(o)
         self.counters["generation_tokens"] += gen
         return outputs
 
@@ -160,7 +161,8 @@ class OutputProcessor:
                 outputs.append(self.fail(tr.request.request_id, f"detokenization failed: {type(e).__name__}: {e}", now))
         return ok
 
-    def _one(self, tr: Tracked, new: list[int], raw_lp: Any, finished_ids: set[str], now: float) -> RequestOutput:
+    def _one(self, tr: Tracked, new: list[int], raw_lp: Any, finished_ids: set[str], now: float) -> RequestOutput | None:
+        """The request's output for this step; None for an unfinished ``final_only`` request."""
         r = tr.request
         if new:
             if tr.prev_token_s is None:
@@ -191,6 +193,8 @@ class OutputProcessor:
                     tr.stop_reason = last
         if reason is not None:
             return self.finish(r.request_id, reason, now, new, new_lps)
+        if r.sampling.final_only:
+            return None
         return self._output(tr, new, new_lps, finished=False)
 
     # ------------------------------------------------------------------ ends

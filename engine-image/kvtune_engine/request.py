@@ -46,6 +46,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # vLLM/HF: logits of prompt and output tokens divided (>0) or multiplied
     min_tokens: int = 0               # end-of-sequence and stop token ids are masked until this many outputs
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    #: deliver the finished output alone (a client that does not stream): no per-step output is built or
+    #: handed to the server, whose event loop would wake once per step for each such request
+    final_only: bool = False
 
     @property
     def greedy(self) -> bool:

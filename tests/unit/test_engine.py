@@ -170,3 +170,26 @@ def test_multiple_eos_ids_all_stop(tiny_llama, tok):  # noqa: F811
     eng.add_request(PROMPT, SamplingParams(max_tokens=20, temperature=0), request_id="r")
     out = run(eng, "r")[-1]
     assert out.finish_reason == "stop" and out.token_ids == ids[:2] + [7]
+
+
+def test_final_only_request_yields_its_finished_output_alone(tiny_llama, tok):  # noqa: F811
+    """A client that does not stream gets one output, the finished one, with the same text, tokens,
+    offsets and stop as a streaming client's last; the streaming request beside it still gets one
+    output per step (the server's event loop wakes per step only for streams)."""
+    ids = ids_of(tok, "Hello world. STOP here and more words after it")
+    eng = scripted_engine(tiny_llama, {"s": ids, "f": ids})
+    for rid, final_only in (("s", False), ("f", True)):
+        eng.add_request(PROMPT, SamplingParams(max_tokens=len(ids), temperature=0, stop=["STOP"],
+                                               final_only=final_only), request_id=rid)
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    streamed = [o for o in outs if o.request_id == "s"]
+    final = [o for o in outs if o.request_id == "f"]
+    assert len(streamed) > 3 and len(final) == 1 and final[0].finished
+    a, b = streamed[-1], final[0]
+    assert (b.text, b.token_ids, b.text_offsets, b.finish_reason, b.stop_reason) == \
+        (a.text, a.token_ids, a.text_offsets, a.finish_reason, a.stop_reason) == \
+        (a.text, a.token_ids, a.text_offsets, "stop", "STOP")
+    assert b.text == "Hello world. " and b.delta_text == b.text
+    assert eng.scheduler.kv.pool.num_used == 0

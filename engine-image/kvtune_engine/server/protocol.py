@@ -206,7 +206,7 @@ def sampling_from(body: _Base, *, max_tokens: int | None, default_max_tokens: in
         presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
         frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        min_tokens=body.min_tokens, logit_bias=logit_bias(body.logit_bias),
+        min_tokens=body.min_tokens, logit_bias=logit_bias(body.logit_bias), final_only=not body.stream,
     )
 
 
