@@ -1,6 +1,6 @@
 """The compiled CPU paged-decode kernel against the PyTorch reference (the oracle).
 
-Kernel level: block sizes 8..128, ragged lengths (1, partial and exact blocks), GQA groups 1/2/4,
+Kernel level: block sizes 8..128, ragged lengths (1, partial and exact blocks), GQA groups 1/2/4/8,
 head_dim 24..128, shuffled blocks, blocks shared by several sequences (prefix hits), bf16.
 Runner level: the same requests through the runner with the kernel (the CPU default: decodes and
 prefill chunks) and with the reference (batched decode, SDPA per prefill chunk), under prefix
@@ -34,7 +34,9 @@ def run_both(q, kc, vc, bt, lens):
 
 
 @pytest.mark.parametrize("bs", [8, 16, 32, 64, 128])
-@pytest.mark.parametrize("hq,hk,d", [(4, 4, 32), (8, 4, 64), (8, 2, 24), (4, 1, 128)])
+# generic loop (d 32, 24) and every compiled-in (group, head_dim) pair: groups 1, 2, 4, 8 at d 64 and 128
+@pytest.mark.parametrize("hq,hk,d", [(4, 4, 32), (8, 2, 24), (4, 4, 64), (8, 4, 64), (8, 2, 64), (8, 1, 64),
+                                     (4, 4, 128), (16, 8, 128), (4, 1, 128), (16, 2, 128)])
 def test_kernel_matches_reference(bs, hq, hk, d):
     lens = [1, bs - 1, bs, 2 * bs + 5, 37, 300]
     kc, vc, bt, _ = make_cache(lens, hk, d, bs, seed=bs + hq + d)
