@@ -43,7 +43,7 @@ inline void softmax_rows(float* scores, int64_t g, int64_t ctx) {
 
 // W floats as one value, W the width of the CPU's vector registers (GCC/Clang vector extension;
 // unaligned loads through memcpy). Wider than the registers is much slower, not just no faster: a
-// 16-float value on an AVX2 CPU (Zen 3) made each K row and head cost ~120 cycles instead of ~25,
+// 16-float value on an AVX2 CPU (Zen 3) made each K/V row and head cost ~120 cycles instead of ~35,
 // mostly in the shuffles of the reduction below, which the compiler then lowers lane by lane.
 #if defined(__AVX512F__)
 constexpr int W = 16;
