@@ -34,6 +34,11 @@ def _cpu_flags() -> bytes:
         return b""
 
 
+def ext_dir() -> Path:
+    """Where built kernels are kept: ``$KVTUNE_EXT_DIR``, default ``~/.cache/kvtune/ext``."""
+    return Path(os.environ.get("KVTUNE_EXT_DIR") or Path.home() / ".cache" / "kvtune" / "ext")
+
+
 def _copy_into(f: Path, build: Path) -> None:
     """``f`` into ``build`` unless an identical copy is there (atomically: two processes may build)."""
     dst, data = build / f.name, f.read_bytes()
@@ -60,8 +65,7 @@ class NativeKernel:
     def _build(self):
         from torch.utils.cpp_extension import load  # the loader pulls in setuptools: only when building
         key, stem = self.key(), self.source.stem
-        root = Path(os.environ.get("KVTUNE_EXT_DIR") or Path.home() / ".cache" / "kvtune" / "ext")
-        build = root / f"{stem}_{key}"
+        build = ext_dir() / f"{stem}_{key}"
         build.mkdir(parents=True, exist_ok=True)
         # compile a copy inside the build folder: ninja keys on the source's path, and two checkouts
         # (worktrees, an installed wheel) sharing one cache would otherwise rebuild each other's object

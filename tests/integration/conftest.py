@@ -77,6 +77,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtune_engine import native
+
 _REPO = Path(__file__).resolve().parents[2]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
@@ -146,7 +148,11 @@ def prometheus():
 def pod_node(controlplane, prometheus):
     """Engine pods -> local processes, published to `prometheus` (see module docstring)."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"node-{os.getpid()}-", dir=RUN_ROOT))
-    node = PodNode(controlplane.kubeconfig, run_dir, sd_file=prometheus.sd_file)
+    # An engine image ships its kernels built; here the pods use this checkout's (built by `make setup`)
+    # instead of compiling both again in each pod's empty /tmp (HOME): 1-2 minutes of a start on two
+    # cores, which a restart change's new pod must not spend before it can serve.
+    node = PodNode(controlplane.kubeconfig, run_dir, sd_file=prometheus.sd_file,
+                   extra_env={"KVTUNE_EXT_DIR": str(native.ext_dir())})
     node.controlplane = controlplane
     node.prometheus = prometheus
     cleanup = _Cleanup(node, run_dir)
