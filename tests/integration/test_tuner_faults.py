@@ -33,9 +33,10 @@ from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
     OperatorProcess, _make_namespace, admin_key, condition, crd, eventually, get,
 )
 from .test_tuner_e2e import (  # noqa: F401 - model is a fixture
-    LABEL, VOCAB, delete_and_wait, engine_state, first_apply, history, infd, log, model, replica_sets, start_engine,
-    tuning_events, url_of, wait_for, weights_bytes,
+    LABEL, VOCAB, WINDOW, delete_and_wait, engine_state, first_apply, history, infd, log, model, replica_sets,
+    start_engine, tuning_events, url_of, wait_for, weights_bytes,
 )
+from kvtune_operator.model import parse_duration
 
 pytestmark = pytest.mark.integration
 
@@ -85,7 +86,10 @@ def test_operator_kill_prometheus_outage_a_rollout_that_cannot_start_and_an_apis
         local = start_engine(controlplane, pod_node, ns, name)
         key = admin_key(controlplane, ns, name)
         log(f"faults: engine listening after {time.monotonic() - t0:.0f}s")
-        load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=7.0, prompt_tokens=32, output_tokens=96,
+        # 5 requests/s of 32 + 96 tokens: more than 2 sequences serve, and little enough that 32 drain the
+        # backlog before the forced candidate (at 7/s a machine at half this one's usual speed was still
+        # draining it at 32: goodput 0 before the candidate, 0.1 req/s under it, and a Keep)
+        load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=5.0, prompt_tokens=32, output_tokens=96,
                             vocab=VOCAB, max_requests=4800, max_seconds=660, max_in_flight=96, seed=3)
         with load:
             # -- 1. SIGKILL while verifying -----------------------------------------------------------
@@ -121,6 +125,12 @@ def test_operator_kill_prometheus_outage_a_rollout_that_cannot_start_and_an_apis
             obj = wait_for(controlplane, ns, name, lambda o: not o["status"]["tuning"].get("pending"),
                            timeout=60, what="no pending change", operator=op)
             kept = obj["status"]["engine"]["maxNumSeqs"]
+            # the bad candidate is judged against a steady engine: the backlog built at 2 sequences drained,
+            # then a whole window without it (forced while 32 still drained it, on a machine at half this
+            # one's usual speed, both windows had ~0 goodput and the candidate's 0.1 req/s read as a gain)
+            eventually(lambda: engine_state(local.admin_url, key)["queues"]["waiting"] == 0, timeout=120,
+                       what="the backlog to drain")
+            time.sleep(parse_duration(WINDOW))
             controlplane.kubectl("annotate", "infd", name, "-n", ns, 'kvtune.io/try={"maxNumSeqs": 1}')
             obj = wait_for(controlplane, ns, name, lambda o: any(
                 e["action"] == "Apply" and "kvtune.io/try" in e["message"] for e in history(o)),
