@@ -2,18 +2,24 @@
 
 Why compiled here, not shipped: the kernels are built with the machine's compiler for its own CPU
 (`-O3 -march=native`), by torch's C++ extension loader, into `$KVTUNE_EXT_DIR` (default
-`~/.cache/kvtune/ext`) under a folder keyed by the source, the CPU's flags and torch's version, so a
-cache shared by two kinds of CPU or two torch builds never mixes them. `make setup` builds them, so
-no engine pays the compile (30-60 s) at its first step. Without a compiler or ninja a kernel is
-unavailable, the reason is logged once, and its PyTorch path runs.
+`~/.cache/kvtune/ext`) under a folder keyed by the source, the CPU's flags, torch's version and
+Python's ABI, so a cache shared by two kinds of CPU or two torch builds never mixes them. `make setup`
+builds them, so no engine pays the compile (30-60 s) at its first step. A folder whose build finished
+(its `built` file names the library) is imported directly: torch's loader would re-run ninja under a
+lock, and rebuild whenever the compile command differs (another checkout's venv puts another include
+path in it), so two checkouts sharing the cache made each other's engines wait minutes to start.
+Without a compiler or ninja a kernel is unavailable, the reason is logged once, and its PyTorch path runs.
 
 Invariant owned here: `NativeKernel.load()` returns the module or None and never raises.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -60,20 +66,44 @@ class NativeKernel:
 
     def key(self) -> str:
         data = self.source.read_bytes() + b"".join(h.read_bytes() for h in HEADERS)
-        return hashlib.sha256(_cpu_flags() + data + torch.__version__.encode()).hexdigest()[:12]
+        abi = f"{torch.__version__} {sys.implementation.cache_tag}".encode()
+        return hashlib.sha256(_cpu_flags() + data + abi).hexdigest()[:12]
+
+    def _import_built(self, name: str, build: Path):
+        """The module a finished build left in ``build`` (None if there is none): no ninja, no lock."""
+        marker = build / "built"
+        lib = build / marker.read_text().strip() if marker.exists() else None
+        if lib is None or not lib.exists():
+            return None
+        spec = importlib.util.spec_from_file_location(name, lib)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
 
     def _build(self):
-        from torch.utils.cpp_extension import load  # the loader pulls in setuptools: only when building
         key, stem = self.key(), self.source.stem
-        build = ext_dir() / f"{stem}_{key}"
+        name, build = f"kvtune_{stem}_{key}", ext_dir() / f"{stem}_{key}"
+        mod = self._import_built(name, build)
+        if mod is not None:
+            return mod
         build.mkdir(parents=True, exist_ok=True)
-        # compile a copy inside the build folder: ninja keys on the source's path, and two checkouts
-        # (worktrees, an installed wheel) sharing one cache would otherwise rebuild each other's object
-        for f in (self.source, *HEADERS):
-            _copy_into(f, build)
-        src = build / self.source.name
-        return load(name=f"kvtune_{stem}_{key}", sources=[str(src)], build_directory=str(build),
-                    extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+        with open(build / ".kvtune.lock", "w") as lock:  # released by the kernel if this process dies
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            mod = self._import_built(name, build)  # another process finished it while this one waited
+            if mod is not None:
+                return mod
+            from torch.utils.cpp_extension import load  # pulls in setuptools: only when building
+            # compile a copy inside the build folder: ninja keys on the source's path, and two checkouts
+            # (worktrees, an installed wheel) sharing one cache would otherwise rebuild each other's object
+            for f in (self.source, *HEADERS):
+                _copy_into(f, build)
+            # no marker: whatever library is here may be the half a killed link wrote, newer than its inputs
+            (build / f"{name}.so").unlink(missing_ok=True)
+            mod = load(name=name, sources=[str(build / self.source.name)], build_directory=str(build),
+                       extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+            (build / ".built.tmp").write_text(Path(mod.__file__).name)
+            os.replace(build / ".built.tmp", build / "built")  # last: a build killed half-way leaves none
+            return mod
 
     def load(self):
         """The compiled module, or None (the reason is logged once and kept in ``failed``)."""
