@@ -26,11 +26,11 @@ def ensure_model(out: Path) -> Path:
               help="Where the model, engine log, report PNG and JSON go.")
 @click.option("--window", "window_s", type=click.FloatRange(min=3), default=12.0, show_default=True,
               help="Seconds of metrics per tuning round.")
-@click.option("--load-scale", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
-              help="Multiply each phase's request rate (a slower machine may want less).")
+@click.option("--load-scale", type=click.FloatRange(min=0.1), default=None,
+              help="Multiply each phase's request rate by this  [default: this machine's speed, measured first]")
 @click.option("--rounds", type=click.IntRange(min=2), default=3, show_default=True,
               help="Most tuning rounds per phase.")
-def demo(out: Path, window_s: float, load_scale: float, rounds: int) -> None:
+def demo(out: Path, window_s: float, load_scale: float | None, rounds: int) -> None:
     """Watch the tuner fix a mis-tuned engine: the real engine on a tiny model on CPU, a load from a
     trace, a live view of KV usage, queue and waiting cause, then a before/after table and a PNG."""
     from rich.console import Console

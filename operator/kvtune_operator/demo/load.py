@@ -93,3 +93,24 @@ class LoadGenerator:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def measure_tokens_per_s(url: str, *, model: str, vocab: int, requests: int, prompt_tokens: int,
+                         output_tokens: int, seed: int = 0) -> float:
+    """Output tokens per second of ``requests`` requests sent at once: what this machine's engine can
+    serve, so that the demo sizes its load to the machine (a fixed rate saturates a slow one)."""
+    rng = random.Random(seed)
+
+    async def burst() -> float:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
+            t0 = time.monotonic()
+            rs = await asyncio.gather(*(client.post(f"{url}/v1/completions", json={
+                "model": model, "prompt": [rng.randrange(16, vocab) for _ in range(prompt_tokens)],
+                "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0.0}) for _ in range(requests)))
+            elapsed = time.monotonic() - t0
+        bad = [r for r in rs if r.status_code != 200]
+        if bad:
+            raise RuntimeError(f"calibration request failed: {bad[0].status_code} {bad[0].text[:200]}")
+        return sum(r.json()["usage"]["completion_tokens"] for r in rs) / elapsed
+
+    return asyncio.run(burst())

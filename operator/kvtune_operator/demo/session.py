@@ -7,6 +7,10 @@ phase observes a window, runs one round of the same loop the operator runs (diag
 candidates with the simulator on the engine's own trace and step costs -> choose), applies the
 decision (a live knob by the admin API, a restart knob by restarting the engine), and verifies it
 over the next window, rolling back what did not help.
+
+The phases' request rates are sized for a reference machine; the demo first measures what this
+machine's engine serves and scales them by it (unless `--load-scale` is given): a fixed rate that a
+slow machine cannot serve even once tuned leaves the queue full after the fix, which shows nothing.
 """
 from __future__ import annotations
 
@@ -26,11 +30,18 @@ from ..tuner.decide import Objectives, knob_changes, window_figures
 from ..tuner.loop import Round, Tuner, TunerSettings
 from ..tuner.observation import Observation
 from .engine import EngineProcess
-from .load import LoadGenerator
+from .load import LoadGenerator, measure_tokens_per_s
 from .monitor import Monitor
 
 DEVICE_MEMORY_GIB = 0.25
 MODEL_SHAPE = dict(arch="llama", layers=4, hidden=256, heads=4, kv_heads=2, vocab=4096, intermediate=768)
+
+
+#: the calibration: requests sent at once to the first phase's engine with its cap lifted to match
+CALIBRATION = dict(requests=32, prompt_tokens=64, output_tokens=48)
+#: what CALIBRATION measures (output tokens/s) on the reference machine, two quiet Zen 3 cores, where
+#: the rates below load the tuned engine to about a third; a machine measuring x times this gets x times the rates
+REFERENCE_TOKENS_PER_S = 1400.0
 
 
 @dataclass
@@ -45,7 +56,7 @@ PHASES = [
     Phase("Sequence cap", "max_num_seqs 2 while the KV cache is almost empty",
           {"max_num_seqs": 2, "gpu_memory_utilization": 0.9, "max_model_len": 1024,
            "max_num_batched_tokens": 1024, "swap_space": 0.0},
-          dict(rate=18.0, prompt_mean=64, output_mean=48)),
+          dict(rate=10.0, prompt_mean=64, output_mean=48)),
     Phase("Low KV memory", "gpu_memory_utilization 0.09 leaves ~50 KV blocks: preemptions under load",
           {"max_num_seqs": 32, "gpu_memory_utilization": 0.09, "max_model_len": 1024,
            "max_num_batched_tokens": 1024, "swap_space": 0.0},
@@ -92,7 +103,7 @@ def settings() -> TunerSettings:
 
 
 class Demo:
-    def __init__(self, out: Path, model_dir: Path, *, window_s: float, load_scale: float, rounds: int,
+    def __init__(self, out: Path, model_dir: Path, *, window_s: float, load_scale: float | None, rounds: int,
                  on_update: Callable[[], None] = lambda: None):
         self.out, self.model_dir, self.window_s, self.load_scale, self.rounds = out, model_dir, window_s, load_scale, rounds
         self.on_update = on_update
@@ -128,6 +139,19 @@ class Demo:
             r = httpx.patch(f"{self.engine.url}/kvtune/v1/config", json=changes, timeout=10)
             r.raise_for_status()
             self.state.config = r.json()["config"]
+
+    def calibrate(self) -> float:
+        """This machine's speed against the reference one: the factor for every phase's request rate."""
+        self.state.phase = "Calibration"
+        self.start_engine(EngineConfig.build(**{**PHASES[0].flags, "max_num_seqs": CALIBRATION["requests"]}))
+        self.state.status = f"measuring this machine: {CALIBRATION['requests']} requests at once"
+        self.on_update()
+        tps = measure_tokens_per_s(self.engine.url, model=self.model_dir.name, vocab=MODEL_SHAPE["vocab"],
+                                   **CALIBRATION)
+        scale = tps / REFERENCE_TOKENS_PER_S
+        self.event("Calibration", "Note", f"this machine serves {tps:.0f} output tokens/s "
+                                          f"({REFERENCE_TOKENS_PER_S:.0f} on the reference): request rates x{scale:.2f}")
+        return scale
 
     # ---------------------------------------------------------------- observing
     def observe(self, since: float) -> tuple[Observation, list[dict], list[dict], float]:
@@ -218,6 +242,8 @@ class Demo:
     def run(self) -> None:
         self.monitor.start()
         try:
+            if self.load_scale is None:
+                self.load_scale = self.calibrate()
             for phase in PHASES:
                 self.run_phase(phase)
         finally:
