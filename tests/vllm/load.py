@@ -53,29 +53,49 @@ def replay(url: str, model: str, trace: Sequence[dict[str, Any]], timeout_s: flo
     return asyncio.run(replay_async(url, model, trace, timeout_s))
 
 
-class Background:
-    """``replay`` in a thread: ``with Background(url, model, trace) as bg: ...; bg.results``."""
+class ClosedLoop:
+    """``clients`` clients in a thread, each sending its next request as soon as its last is answered,
+    until ``stop()``: a queue that lasts as long as the observer needs. (A fixed trace drains on its own
+    schedule: on a busy machine, where a loaded vLLM answers /metrics seconds late, a window closed after
+    the load had ended and judged a drained engine.)"""
 
-    def __init__(self, url: str, model: str, trace: Sequence[dict[str, Any]]):
+    def __init__(self, url: str, model: str, *, clients: int, prompt_tokens: int, output_tokens: int):
         self.results: list[dict] = []
         self.error: BaseException | None = None
-        self._t = threading.Thread(target=self._run, args=(url, model, list(trace)), daemon=True)
+        self._stop = threading.Event()
+        self._args = (url, model, clients, {"prompt_tokens": prompt_tokens, "output_tokens": output_tokens})
+        self._t = threading.Thread(target=self._run, daemon=True)
 
-    def _run(self, url: str, model: str, trace: list) -> None:
+    def _run(self) -> None:
         try:
-            self.results = replay(url, model, trace)
-        except BaseException as e:  # reported by join()
+            asyncio.run(self._clients(*self._args))
+        except BaseException as e:  # reported by stop()
             self.error = e
 
-    def __enter__(self) -> "Background":
+    async def _clients(self, url: str, model: str, clients: int, shape: dict[str, Any]) -> None:
+        async def client_loop(http: httpx.AsyncClient, i: int) -> None:
+            n = 0
+            while not self._stop.is_set():
+                await _one(http, url, model, shape, 1000 * i + n, t0, self.results)
+                n += 1
+
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=0)  # see replay_async
+        async with httpx.AsyncClient(timeout=600, limits=limits) as http:
+            t0 = time.monotonic()
+            await asyncio.gather(*(client_loop(http, i) for i in range(clients)))
+
+    def __enter__(self) -> "ClosedLoop":
         self._t.start()
         return self
 
-    def join(self, timeout: float | None = None) -> list[dict]:
+    def stop(self, timeout: float = 600) -> list[dict]:
+        """No new requests; waits for those in flight. Returns one record per request answered."""
+        self._stop.set()
         self._t.join(timeout)
         if self.error is not None:
             raise self.error
         return self.results
 
     def __exit__(self, *exc: object) -> None:
+        self._stop.set()
         self._t.join(600)
