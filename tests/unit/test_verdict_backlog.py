@@ -46,3 +46,23 @@ def test_the_old_config_replayed_with_its_backlog():
     v = judge(before, measured, None, 0.10, inherited)
     assert v.keep, v.reason                                              # with the backlog: kept
     assert "does no better" in v.reason
+
+
+def test_a_window_before_without_goodput_is_no_reference_the_replay_judges():
+    """Seen in the faults e2e test: a backlog drained by 32 sequences left the window before with no
+    goodput; max_num_seqs 1 then let a short request through in time (0.1 req/s), which read as +100%
+    against 0 and was kept. The old config replayed on the window after is the reference then."""
+    before = {"goodput_requests_per_s": 0.0, "goodput_share": 0.0, "output_tokens_per_s": 900.0,
+              "offered_requests_per_s": 5.0}
+    measured = {"goodput_requests_per_s": 0.1, "goodput_share": 0.02, "output_tokens_per_s": 60.0,
+                "offered_requests_per_s": 5.0}
+    old_replayed = {"goodput_requests_per_s": 2.5, "goodput_share": 0.5, "output_tokens_per_s": 850.0,
+                    "offered_requests_per_s": 5.0}
+    assert judge(before, measured, None, 0.10).keep            # without a replay: +100% vs 0, kept as before
+    v = judge(before, measured, None, 0.10, old_replayed)
+    assert not v.keep and "old config replayed" in v.reason and "almost no goodput" in v.reason, v.reason
+    # a change that really helped an engine with no goodput: the replay of the old config shows none either
+    helped = {**measured, "goodput_requests_per_s": 2.0, "goodput_share": 0.4, "output_tokens_per_s": 900.0}
+    starved = {**old_replayed, "goodput_requests_per_s": 0.05, "goodput_share": 0.01}
+    v = judge(before, helped, None, 0.10, starved)
+    assert v.keep and v.change > 1.0, v.reason

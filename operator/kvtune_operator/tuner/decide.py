@@ -280,6 +280,10 @@ def judge(before: Mapping[str, float], measured: Mapping[str, float],
     change. The second test tells a worse config from a heavier window (a burst after the change
     makes the window worse than the one before under any config; the counterfactual sees the same
     burst). Falling short of the prediction alone is not a regression (it is reported).
+
+    A window before with (almost) no goodput, where the window after has some, is no reference: any
+    goodput at all reads as +100% (a backlog drained by 32 sequences, then a cap of 1 that let a short
+    request through in time, was kept). Then the counterfactual alone judges, when there is one.
     """
     what, change = _compare(before, measured)
     perr = None
@@ -287,9 +291,13 @@ def judge(before: Mapping[str, float], measured: Mapping[str, float],
         pg = predicted.get("goodput_requests_per_s", 0.0)
         if pg > 0:
             perr = (measured.get("goodput_requests_per_s", 0.0) - pg) / pg
-    cf_note = ""
+    cf_note, ref = "", "the window before"
     regressed = change < -threshold
-    if regressed and counterfactual is not None:
+    if what == "goodput" and before.get("goodput_share", 0.0) < 0.01 and counterfactual is not None:
+        what, change = _compare(counterfactual, measured)
+        regressed = change < -threshold
+        ref = "the old config replayed on this window (the window before had almost no goodput)"
+    elif regressed and counterfactual is not None:
         cwhat, cchange = _compare(counterfactual, measured)
         if cchange >= -threshold:
             regressed = False
@@ -299,9 +307,9 @@ def judge(before: Mapping[str, float], measured: Mapping[str, float],
             cf_note = f" and {-cchange:.0%} below the old config replayed on this window"
     keep = not regressed
     if not keep:
-        reason = (f"{what} fell {-change:.0%} (more than {threshold:.0%}) after the change{cf_note}: rolled back")
+        reason = f"{what} fell {-change:.0%} (more than {threshold:.0%}) vs {ref}{cf_note}: rolled back"
     else:
-        reason = f"{what} {change:+.0%} vs the window before{cf_note}"
+        reason = f"{what} {change:+.0%} vs {ref}{cf_note}"
         if perr is not None:
             reason += f"; measured goodput {perr:+.0%} vs predicted"
     return Verdict(keep, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr)
