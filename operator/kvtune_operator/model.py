@@ -579,6 +579,9 @@ class PendingChange(CRDModel):
     restart: bool = Field(False, description="Whether the change rolls the engine pods.")
     restart_hash: str | None = Field(None, max_length=64,
                                      description="The new pods' kvtune.io/restart-hash (restart changes).")
+    rolled_out_at: Timestamp | None = Field(
+        None, description="When its rollout was seen complete, old pods gone (restart changes): the verdict "
+                          "judges a whole window from here.")
     before_figures: WindowFigures = Field(default_factory=dict, description="Measured over the window before the change.")
     predicted_figures: WindowFigures = Field(default_factory=dict, description="Predicted for the new knobs.")
 

@@ -54,11 +54,14 @@ def rollout_failure(pods: Iterable[dict[str, Any]], deployment: dict[str, Any] |
     return None
 
 
-def rollout_pending(deployment: dict[str, Any] | None, restart_hash: str | None) -> str | None:
+def rollout_pending(deployment: dict[str, Any] | None, restart_hash: str | None,
+                    pods: Iterable[dict[str, Any]] = ()) -> str | None:
     """Why the rollout to ``restart_hash`` is not complete yet (as ``kubectl rollout status`` reads the
     Deployment), or None once every replica runs that template and is available. Until then the pods
     Prometheus scrapes may be the old template's, and only an engine that reports its own knobs (ours)
-    could tell; vLLM's metrics do not show max_num_seqs, so no window is judged before this is None."""
+    could tell; vLLM's metrics do not show max_num_seqs, so no window is judged before this is None.
+    ``pods`` (the deployment's): a terminating old pod still finishes its requests on the node (and a
+    new pod sharing it ran at a fraction of its speed next to it: a raised cap was rolled back)."""
     if not restart_hash:
         return None
     if not deployment:
@@ -76,4 +79,7 @@ def rollout_pending(deployment: dict[str, Any] | None, restart_hash: str | None)
         return f"{total - updated} old pods are still running"
     if available < want:
         return f"{available} of {want} new pods are available"
+    leaving = sum(1 for p in pods if (p.get("metadata") or {}).get("deletionTimestamp"))
+    if leaving:
+        return f"{leaving} old pods are still terminating"
     return None

@@ -393,10 +393,15 @@ def roll_back_failed_rollout(spec: InferenceDeploymentSpec, status: InferenceDep
 
 
 def _since_last_change(status: InferenceDeploymentStatus | None, now: float) -> float | None:
+    """Seconds the running knobs have served: since the last change, or since a restart change's
+    rollout completed (a window before it is the old pods' or the new ones' start-up)."""
     last = status.tuning.last_change if status and status.tuning else None
     if last is None or last.action not in ("Apply", "RollBack"):
         return None
     t = dt.datetime.fromisoformat(str(last.time).replace("Z", "+00:00")).timestamp()
+    rolled_out = status.tuning.pending.rolled_out_at if status.tuning.pending else None
+    if rolled_out is not None:
+        t = max(t, rolled_out.timestamp())
     return max(0.0, now - t)
 
 
@@ -437,14 +442,22 @@ class TuningLoop:
         pending = tuning.pending if tuning else None
         if pending is not None and pending.restart and plan.mode == AutotuneMode.APPLY:
             deployment = self.reconciler.kube.get("apps/v1", "Deployment", namespace, name)
-            failure = rollout_failure(self.reconciler.kube.list_pods(namespace, selector_string(name)),
-                                      deployment, pending.restart_hash)
+            pods = self.reconciler.kube.list_pods(namespace, selector_string(name))
+            failure = rollout_failure(pods, deployment, pending.restart_hash)
             if failure:
                 return roll_back_failed_rollout(infd.spec, status, plan, failure, now)
-            rolling = rollout_pending(deployment, pending.restart_hash)
+            rolling = rollout_pending(deployment, pending.restart_hash, pods)
             if rolling:  # a window now could be the old pods' (vLLM's metrics do not tell its knobs)
                 return TickResult(status_update={"tuning": TuningStatus.checked(
                     {**tuning.dump(), "phase": "Applying", "message": f"waiting for the rollout: {rolling}"})})
+            if pending.rolled_out_at is None:  # the verdict's window starts now (_since_last_change)
+                done = pending.model_copy(update={"rolled_out_at": dt.datetime.fromtimestamp(now, dt.timezone.utc)})
+                return TickResult(status_update={"tuning": TuningStatus.checked({
+                    **tuning.dump(), "pending": done.dump(), "phase": "Verifying",
+                    "message": f"rolled out; the verdict comes after a whole {plan.window_s:.0f}s window of the "
+                               "new pods"})})
+            if now - pending.rolled_out_at.timestamp() < plan.window_s:
+                return TickResult()
         try:
             gathered = gather(plan, namespace, name, infd.spec, _since_last_change(status, now),
                               admin_key=engine_admin_key(self.reconciler.kube, namespace, name),

@@ -220,7 +220,8 @@ def test_the_loop_rolls_back_a_crashing_rollout_before_reading_metrics_and_tries
 def test_no_window_is_judged_while_a_restart_change_rolls_out():
     """vLLM's metrics do not show the knobs a pod runs: until every replica runs the new template
     (the Deployment's own rollout status), a window could be the old pods'. The loop waits, reads no
-    metrics, keeps the pending change; once the rollout is complete it reads the window."""
+    metrics, keeps the pending change; once the rollout is complete (old pods gone) it waits for a
+    whole window of the new pods, then reads it."""
     status, old, new = _pending_restart_status()
     kube, loop = _cluster_with_pending_restart(status)
     hsh = status["tuning"]["pending"]["restartHash"]
@@ -239,7 +240,24 @@ def test_no_window_is_judged_while_a_restart_change_rolls_out():
     from kvtune_operator.conditions import get_condition
     assert (get_condition(st.get("conditions") or [], "MetricsAvailable") or {}).get("reason") != "PrometheusUnreachable"
     kube.objects[key]["status"] = {"observedGeneration": 2, "replicas": 1, "updatedReplicas": 1, "availableReplicas": 1}
+    # the Deployment is done, but the old pod still terminates: it finishes its requests beside the new one
+    kube.pods = [_pod("chat-new", hsh, restarts=0), _pod("chat-old", "old", restarts=0, deleting=True)]
     loop.clock = lambda: 1_000_400.0
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
+    st = kube.infd("chat")["status"]
+    assert st["tuning"]["message"] == "waiting for the rollout: 1 old pods are still terminating", st["tuning"]
+    # rolled out: the moment is kept, and a whole window (2m) of the new pods passes before any is read
+    kube.pods = kube.pods[:1]
+    loop.clock = lambda: 1_000_500.0
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
+    st = kube.infd("chat")["status"]
+    assert st["tuning"]["pending"]["rolledOutAt"] == "1970-01-12T13:55:00Z" and st["tuning"]["phase"] == "Verifying"
+    assert "after a whole 120s window of the new pods" in st["tuning"]["message"]
+    loop.clock = lambda: 1_000_600.0
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
+    st = kube.infd("chat")["status"]
+    assert (get_condition(st.get("conditions") or [], "MetricsAvailable") or {}).get("reason") != "PrometheusUnreachable"
+    loop.clock = lambda: 1_000_630.0
     loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
     st = kube.infd("chat")["status"]
     assert get_condition(st["conditions"], "MetricsAvailable")["reason"] == "PrometheusUnreachable"  # read now
@@ -258,3 +276,5 @@ def test_rollout_pending_reads_the_deployment_as_kubectl_rollout_status_does():
     assert rollout_pending(dep(updatedReplicas=1), "new") == "1 of 2 pods run the new template"
     assert rollout_pending(dep(replicas=3), "new") == "1 old pods are still running"
     assert rollout_pending(dep(availableReplicas=1), "new") == "1 of 2 new pods are available"
+    leaving = {"metadata": {"name": "old", "deletionTimestamp": "2026-01-01T00:00:00Z"}}
+    assert rollout_pending(dep(), "new", [{"metadata": {"name": "new"}}, leaving]) == "1 old pods are still terminating"
