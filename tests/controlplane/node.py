@@ -38,6 +38,10 @@ What it does, polling the apiserver every `poll_interval` seconds:
     ``{"kvtune-engine": [sys.executable, "-m", "kvtune_engine.server"]}``); ``python``/``python3``
     become this interpreter; other names are looked up on PATH with this venv's ``bin`` first. For
     anything else, set `translate` to a function ``(pod, container, argv) -> argv``.
+* Like a kubelet, it keeps a deleted pod Terminating until its process has stopped: it holds the
+  finalizer `FINALIZER` on each pod it runs and drops it once the process is gone (kwok's pod-delete
+  stage would remove the pod at once, and a rollout then looked complete, old pod gone, while the
+  old engine still finished its requests on the node's cores).
 * It stops the process (SIGTERM to its main process, as a container runtime does; SIGKILL to its
   process group after the grace period, 30 s at most, counted from the start of a ``preStop``
   ``sleep`` hook, which it waits out first while the process serves on; no other kind of hook)
@@ -112,6 +116,8 @@ from .prometheus import write_sd_file
 
 ENGINE_SELECTOR = "app.kubernetes.io/name=kvtune-engine"
 DEPLOYMENT_LABEL = "kvtune.io/inference-deployment"
+#: held on each pod the node runs, dropped once its process stopped (a kubelet's Terminating)
+FINALIZER = "kvtune.io/pod-node"
 
 _VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
@@ -467,7 +473,20 @@ class PodNode:
         )
         self._spawn(lp)
         self.pods[(ns, name)] = lp
+        self._finalizer(lp, hold=True)
         threading.Thread(target=self._prober, args=(lp,), name=f"probe-{ns}/{name}", daemon=True).start()
+
+    def _finalizer(self, lp: LocalPod, *, hold: bool) -> None:
+        """Add (``hold``) or remove `FINALIZER` on the pod (a strategic merge: other finalizers stay)."""
+        change = {"finalizers": [FINALIZER]} if hold else {"$deleteFromPrimitiveList/finalizers": [FINALIZER]}
+        try:
+            self._call(self._api.patch_namespaced_pod, lp.name, lp.namespace, {"metadata": change},
+                       _content_type="application/strategic-merge-patch+json")
+        except _NotFound:
+            pass
+        except Exception as e:  # noqa: BLE001 - the apiserver is away: recorded, the pod stays as it is
+            self.errors.append(f"cannot {'add' if hold else 'remove'} the finalizer of {lp.namespace}/{lp.name}: {e!r}")
+            del self.errors[:-50]
 
     def _spawn(self, lp: LocalPod) -> None:
         """Start (or restart) the container's process; called from the reconcile thread only (the
@@ -590,6 +609,7 @@ class PodNode:
         for lp in lps:
             if lp.exited is None:  # (else `_tend` has stopped and reaped it)
                 lp.proc.stop(timeout=0.5)  # SIGKILLs leftovers of the group, reaps, closes the log
+            self._finalizer(lp, hold=False)  # a deleted pod goes now, as a kubelet's does once stopped
             self._log.write(f"{time.strftime('%H:%M:%S')} stopped {lp.namespace}/{lp.name} ({why}), "
                             f"rc={lp.returncode}\n")
 

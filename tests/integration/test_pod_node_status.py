@@ -149,7 +149,9 @@ def test_ready_only_once_the_probe_answers_and_rollouts_wait_for_it(controlplane
 def test_a_deleted_pod_leaves_the_service_at_once_and_serves_through_its_prestop_sleep(
         controlplane, pod_node, namespace):
     """A rollout's old pod stops while its clients still send to it: out of the Service's endpoints
-    first, then the ``preStop`` sleep in which it still answers, then SIGTERM."""
+    first, then the ``preStop`` sleep in which it still answers, then SIGTERM. Like a kubelet's, the
+    pod stays Terminating in the API while its process runs (what the operator waits for before it
+    judges a rollout's new pods), and goes once it stopped."""
     container = {"command": ["python3", str(HEALTH_SERVER)], "ports": [{"containerPort": 8000, "name": "http"}],
                  "readinessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 1},
                  "lifecycle": {"preStop": {"sleep": {"seconds": 3}}}}
@@ -170,8 +172,13 @@ def test_a_deleted_pod_leaves_the_service_at_once_and_serves_through_its_prestop
             except httpx.TransportError:
                 break
             time.sleep(0.05)
+            terminating = controlplane.kubectl_json("get", "pod", old.name, "-n", namespace)
+            assert terminating["metadata"]["deletionTimestamp"]
         served_s = time.monotonic() - left
         assert 2.5 <= served_s <= 8, served_s
+        eventually(lambda: pod_node.get(namespace, old.name) is None, timeout=20, what="the process to stop")
+        eventually(lambda: controlplane.kubectl("get", "pod", old.name, "-n", namespace, check=False).returncode != 0,
+                   timeout=20, what="the stopped pod to leave the API")
 
 
 if __name__ == "__main__":
