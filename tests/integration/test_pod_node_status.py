@@ -166,16 +166,20 @@ def test_a_deleted_pod_leaves_the_service_at_once_and_serves_through_its_prestop
         eventually(lambda: old.url not in pod_node.urls_for_selector(namespace, labels), timeout=20, interval=0.05,
                    what="the deleted pod to leave the Service")
         left = time.monotonic()
+        shown_terminating = 0
         while True:
+            # read before the process answers: an answer after it means it ran when the API was read
+            api = controlplane.kubectl("get", "pod", old.name, "-n", namespace, "-o", "json", check=False)
             try:
                 assert httpx.get(old.url + "/health", timeout=1).status_code == 200
             except httpx.TransportError:
                 break
+            assert api.returncode == 0, f"the pod left the API while its process still served: {api.stderr}"
+            shown_terminating += bool(json.loads(api.stdout)["metadata"].get("deletionTimestamp"))
             time.sleep(0.05)
-            terminating = controlplane.kubectl_json("get", "pod", old.name, "-n", namespace)
-            assert terminating["metadata"]["deletionTimestamp"]
         served_s = time.monotonic() - left
         assert 2.5 <= served_s <= 8, served_s
+        assert shown_terminating > 0
         eventually(lambda: pod_node.get(namespace, old.name) is None, timeout=20, what="the process to stop")
         eventually(lambda: controlplane.kubectl("get", "pod", old.name, "-n", namespace, check=False).returncode != 0,
                    timeout=20, what="the stopped pod to leave the API")
