@@ -400,10 +400,7 @@ class PodNode:
                     try:
                         self._start_pod(pod, cm_cache)
                     except Exception as e:  # noqa: BLE001
-                        msg = f"cannot start {key[0]}/{key[1]}: {e!r}"
-                        if msg not in self.errors:
-                            self.errors.append(msg)
-                            self._log.write(msg + "\n")
+                        self._record_error(f"cannot start {key[0]}/{key[1]}: {e!r}")
                         continue
                 else:
                     self._sync_volumes(pod, self.pods[key], cm_cache)
@@ -485,8 +482,14 @@ class PodNode:
         except _NotFound:
             pass
         except Exception as e:  # noqa: BLE001 - the apiserver is away: recorded, the pod stays as it is
-            self.errors.append(f"cannot {'add' if hold else 'remove'} the finalizer of {lp.namespace}/{lp.name}: {e!r}")
+            self._record_error(f"cannot {'add' if hold else 'remove'} the finalizer of {lp.namespace}/{lp.name}: {e!r}")
+
+    def _record_error(self, msg: str) -> None:
+        """Keep ``msg`` in `errors` (once; the last 50) and in the node's log: the node goes on."""
+        if msg not in self.errors:
+            self.errors.append(msg)
             del self.errors[:-50]
+            self._log.write(msg + "\n")
 
     def _spawn(self, lp: LocalPod) -> None:
         """Start (or restart) the container's process; called from the reconcile thread only (the
@@ -545,11 +548,7 @@ class PodNode:
         except _NotFound:
             return
         except Exception as e:  # noqa: BLE001 - the apiserver is away: the next poll tries again
-            msg = f"cannot patch the status of {lp.namespace}/{lp.name}: {e!r}"
-            if msg not in self.errors:
-                self.errors.append(msg)
-                del self.errors[:-50]
-                self._log.write(msg + "\n")
+            self._record_error(f"cannot patch the status of {lp.namespace}/{lp.name}: {e!r}")
             return
         lp.last_patch = text
 

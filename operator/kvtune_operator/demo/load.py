@@ -18,6 +18,11 @@ import httpx
 from kvtune_engine.sim.trace import TraceRequest
 
 
+def completion_body(model: str, prompt: list[int], output_tokens: int) -> dict:
+    """A request of exactly this shape: token ids in, ``output_tokens`` out (EOS ignored)."""
+    return {"model": model, "prompt": prompt, "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0.0}
+
+
 @dataclass
 class LoadStats:
     sent: int = 0
@@ -51,8 +56,7 @@ class LoadGenerator:
         return [self.rng.randrange(16, self.vocab) for _ in range(n)]
 
     async def _one(self, client: httpx.AsyncClient, req: TraceRequest, sem: asyncio.Semaphore) -> None:
-        body = {"model": self.model, "prompt": self._prompt(req.prompt_tokens), "max_tokens": req.output_tokens,
-                "ignore_eos": True, "temperature": 0.0}
+        body = completion_body(self.model, self._prompt(req.prompt_tokens), req.output_tokens)
         async with sem:
             self.stats.sent += 1
             while not self._stop.is_set():
@@ -104,9 +108,9 @@ def measure_tokens_per_s(url: str, *, model: str, vocab: int, requests: int, pro
     async def burst() -> float:
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
             t0 = time.monotonic()
-            rs = await asyncio.gather(*(client.post(f"{url}/v1/completions", json={
-                "model": model, "prompt": [rng.randrange(16, vocab) for _ in range(prompt_tokens)],
-                "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0.0}) for _ in range(requests)))
+            rs = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=completion_body(
+                model, [rng.randrange(16, vocab) for _ in range(prompt_tokens)], output_tokens))
+                for _ in range(requests)))
             elapsed = time.monotonic() - t0
         bad = [r for r in rs if r.status_code != 200]
         if bad:
