@@ -27,6 +27,7 @@ from .core.request import FinishReason, Request, RequestStatus, SamplingParams
 from .core.scheduler import RequestRejected
 from .detokenizer import Detokenizer
 from .input_processor import InputProcessor, InvalidRequest
+from .kv.sizing import ActivationProfile
 from .metrics import EngineMetrics
 from .output_processor import OutputProcessor
 from .outputs import RequestOutput, TokenLogprob
@@ -47,6 +48,17 @@ class RestartRequired(ConfigError):
     def __init__(self, message: str, knobs: dict[str, tuple[Any, Any]]):
         super().__init__(message)
         self.knobs = knobs
+
+
+def profile_message(over: dict[str, tuple[int, int]], profile: ActivationProfile | None) -> str:
+    """Why a live raise is refused, what is allowed, and what to do instead."""
+    parts = ", ".join(f"{k} -> {want} (profiled for at most {most})" for k, (most, want) in sorted(over.items()))
+    shape = (f"max_num_batched_tokens <= {profile.max_num_batched_tokens}, max_num_seqs <= {profile.rows}"
+             if profile is not None else "")
+    return (f"{parts}: beyond the step the start-up memory profile measured ({shape}); a larger step "
+            "may run out of device memory and fail every request in flight. Restart the engine with the "
+            "new value (it profiles again; in a cluster the operator rolls the pods), or stay within "
+            "the profiled values")
 
 
 class LLMEngine:
@@ -189,7 +201,8 @@ class LLMEngine:
         """Apply live knobs (all or nothing). Returns ``{knob: [old, new]}`` for what changed.
 
         Unknown names and bad values raise ConfigError; a restart-only knob whose value differs
-        from the running one raises RestartRequired (a restart knob with the running value is fine).
+        from the running one raises RestartRequired (a restart knob with the running value is fine),
+        and so does a live raise past the start-up activation profile (``beyond_profile``).
         """
         norm = {str(k).replace("-", "_"): v for k, v in dict(changes).items()}
         unknown = sorted(k for k in norm if k not in LIVE_KNOBS and k not in RESTART_KNOBS)
@@ -206,12 +219,28 @@ class LLMEngine:
                     f"{parts}: restart-only knob(s) (they size memory at start-up); restart the engine with "
                     f"the new value (in a cluster the operator rolls the pods). Live knobs: {sorted(LIVE_KNOBS)}",
                     restart)
+            over = self.beyond_profile(new_all)
+            if over:
+                raise RestartRequired(profile_message(over, self.activation_profile),
+                                      {k: (getattr(cur, k), getattr(new_all, k)) for k in over})
             changed = {k: [getattr(cur, k), getattr(new_all, k)] for k in norm
                        if k in LIVE_KNOBS and getattr(cur, k) != getattr(new_all, k)}
             if changed:
                 self.scheduler.update_config(**{k: v[1] for k, v in changed.items()})
                 log.info("live config change: %s", ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
             return changed
+
+    @property
+    def activation_profile(self) -> ActivationProfile | None:
+        """The step shape the runner's memory was sized for at start-up (None: not bounded)."""
+        p = getattr(self.runner, "activation_profile", None)
+        return p if isinstance(p, ActivationProfile) else None
+
+    def beyond_profile(self, config: EngineConfig) -> dict[str, tuple[int, int]]:
+        """``{knob: (most profiled, requested)}`` where ``config`` allows a step larger than the
+        start-up profile measured: such a step may not fit in device memory."""
+        p = self.activation_profile
+        return {} if p is None else p.exceeded(config.max_num_batched_tokens, config.max_num_seqs)
 
     # ---------------------------------------------------------------- reading
     def trace(self, since_s: float | None = None, limit: int | None = None, *,
@@ -240,6 +269,7 @@ class LLMEngine:
             c = self.counters
             return {
                 "model": self.model_name, "device": self.device, "config": self.config.model_dump(),
+                "activation_profile": p.as_dict() if (p := self.activation_profile) is not None else None,
                 **scheduler_view(self.scheduler), "memory": memory, "kv_cache_dtype": self.kv_cache_dtype,
                 "counters": {k: c[k] for k in ("prompt_tokens", "generation_tokens", "steps", "requests_added")}
                 | {"requests_finished": dict(c["requests_finished"])},

@@ -10,6 +10,10 @@ profiling forward pass of `max_num_batched_tokens` tokens (activations, workspac
 context). When `kv_cache_memory` (GiB) is set, it replaces the subtraction (CPU runs, tests).
 Torch-free: the real runner measures the inputs with torch and calls this; the simulator takes them
 from a profile.
+
+`ActivationProfile` records the step shape that profile covered: a later live raise past it
+could allocate more than was set aside, and an out-of-memory inside a step fails every request in
+flight, so the engine refuses such a raise (it needs a restart, which profiles again).
 """
 from __future__ import annotations
 
@@ -37,6 +41,37 @@ class KVCacheSize:
 
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__slots__}
+
+
+@dataclass(frozen=True, slots=True)
+class ActivationProfile:
+    """The largest step the start-up memory profile measured: ``max_num_batched_tokens`` tokens and
+    ``min(max_num_seqs, max_num_batched_tokens)`` sampled rows (a step never has more sequences than
+    tokens). Raising a knob past these makes steps the profile never paid for."""
+    max_num_batched_tokens: int
+    max_num_seqs: int
+
+    @classmethod
+    def of(cls, max_num_batched_tokens: int, max_num_seqs: int) -> "ActivationProfile":
+        return cls(int(max_num_batched_tokens), int(max_num_seqs))
+
+    @property
+    def rows(self) -> int:
+        """Sampled rows (logits, softmax, sort) the profile covered."""
+        return min(self.max_num_seqs, self.max_num_batched_tokens)
+
+    def exceeded(self, max_num_batched_tokens: int, max_num_seqs: int) -> dict[str, tuple[int, int]]:
+        """``{knob: (most the profile covers, requested)}`` for every knob whose value allows a
+        step larger than profiled; empty when the step fits."""
+        out: dict[str, tuple[int, int]] = {}
+        if max_num_batched_tokens > self.max_num_batched_tokens:
+            out["max_num_batched_tokens"] = (self.max_num_batched_tokens, max_num_batched_tokens)
+        if min(max_num_seqs, max_num_batched_tokens) > self.rows:
+            out["max_num_seqs"] = (self.rows, max_num_seqs)
+        return out
+
+    def as_dict(self) -> dict[str, int]:
+        return {"max_num_batched_tokens": self.max_num_batched_tokens, "max_num_seqs": self.max_num_seqs}
 
 
 def num_swap_blocks(swap_space_gib: float, block_size: int, kv_bytes_per_token: int) -> int:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ..attention import AttentionMetadata, PrefillChunk, cpu_paged, flashinfer_decode, triton_decode
 from ..config import EngineConfig
 from ..core.batch import Batch, ScheduledSeq, SeqStep, Step, StepOutput
-from ..kv.sizing import KVCacheSize, kv_bytes_per_token, kv_cache_size
+from ..kv.sizing import ActivationProfile, KVCacheSize, kv_bytes_per_token, kv_cache_size
 from ..model import CausalLM, ModelLoadError, load_model, ops
 from .huge_pages import advise_huge_pages
 from .sampler import Sampler
@@ -61,7 +61,8 @@ class ModelRunner:
 
     `num_blocks` / `num_swap_blocks` are what the scheduler must be built with. `memory` is the
     memory picture in bytes: weights, activations_peak (None on CPU: not measured), kv_cache, swap,
-    device_total.
+    device_total. `activation_profile` is the step shape the memory left beside the KV cache was
+    sized for (CUDA, and a CPU standing in for a device); None where host memory bounds the run.
     """
 
     def __init__(self, model: str | Path | CausalLM, config: EngineConfig, *, device: str | torch.device = "cpu",
@@ -113,6 +114,9 @@ class ModelRunner:
         weights = (torch.cuda.memory_allocated(self.device) - before) if cuda else weights_bytes(self.model)
         per_token = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype.itemsize)
         activations = None
+        self.activation_profile: ActivationProfile | None = None
+        if cuda or device_memory_gib is not None:
+            self.activation_profile = ActivationProfile.of(config.max_num_batched_tokens, config.max_num_seqs)
         if cuda:
             total = torch.cuda.get_device_properties(self.device).total_memory
             activations = self._profile_activations(weights)

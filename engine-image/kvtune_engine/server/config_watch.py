@@ -6,7 +6,8 @@ re-reads the file every ``interval_s`` and acts when the content's hash changes.
 
 The file holds EngineConfig fields with underscores (``max_num_seqs: 128``); dashed names are
 accepted too. Live knobs that differ from the running config are applied like a PATCH of
-``/kvtune/v1/config``; restart-only knobs that differ are logged and reported in
+``/kvtune/v1/config``; restart-only knobs that differ, and live raises past the start-up
+activation profile (``LLMEngine.beyond_profile``), are logged and reported in
 ``status()["pending_restart"]`` (they take effect when the pod restarts); unknown keys are reported.
 """
 from __future__ import annotations
@@ -158,6 +159,9 @@ def _apply_on_engine(eng: Any, known: dict[str, Any]):
     full = cur.with_changes(**known)
     pending = {k: (getattr(cur, k), getattr(full, k)) for k in known
                if k in RESTART_KNOBS and getattr(cur, k) != getattr(full, k)}
-    live = {k: v for k, v in known.items() if k in LIVE_KNOBS}
+    # a live raise past the start-up activation profile waits for a restart too (it profiles again)
+    over = eng.beyond_profile(full) if hasattr(eng, "beyond_profile") else {}
+    pending.update({k: (getattr(cur, k), getattr(full, k)) for k in over})
+    live = {k: v for k, v in known.items() if k in LIVE_KNOBS and k not in over}
     changed = eng.update_config(live) if live else {}
     return changed, pending

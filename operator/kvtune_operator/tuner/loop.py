@@ -145,7 +145,7 @@ class Tuner:
             improving = sorted((p for p in preds if _score(p[1], s.objectives).beats(base_score, 0.0)
                                 and not st.is_bad(p[0], now)),
                                key=lambda p: _key(p[1], s.objectives), reverse=True)
-            combos = combine(cfg, [c for c, _ in improving], s.bounds)
+            combos = [c for c in combine(cfg, [c for c, _ in improving], s.bounds) if engine_takes(obs, c)]
             preds += pred.predict_many(tr, combos)
         decision = choose(cfg, baseline, preds, s.objectives, state=st, now=now)
         if s.combine and decision.action == "change" and decision.restart:
@@ -178,8 +178,20 @@ class Tuner:
 
     def candidates(self, obs: Observation, diag: Diagnosis) -> CandidateSet:
         s = self.settings
-        return propose(obs, s.bounds, safety=s.safety, cause=diag.cause, slo_tpot_s=s.objectives.slo_tpot_s,
-                       suggestion=diag.suggestion)
+        cands = propose(obs, s.bounds, safety=s.safety, cause=diag.cause, slo_tpot_s=s.objectives.slo_tpot_s,
+                        suggestion=diag.suggestion)
+        cands.configs = [c for c in cands.configs if engine_takes(obs, c)]
+        return cands
+
+
+def engine_takes(obs: Observation, cfg: EngineConfig) -> bool:
+    """Whether the engine can run ``cfg``: a live change must stay within the step its start-up
+    memory profile covered (past it the engine refuses: a bigger step may not fit in device memory);
+    a change with a restart knob rolls the pods, and the new engine profiles ``cfg`` itself."""
+    p = obs.activation_profile
+    if p is None or any(getattr(obs.config, k) != getattr(cfg, k) for k in RESTART_KNOBS):
+        return True
+    return not p.exceeded(cfg.max_num_batched_tokens, cfg.max_num_seqs)
 
 
 def tune_round(settings: TunerSettings, state: TunerState, obs: Observation, trace: Sequence[Any], now: float, *,

@@ -20,6 +20,7 @@ from typing import Any, Iterable, Mapping
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.core.stats import CAUSES
 from kvtune_engine.knobs import knob
+from kvtune_engine.kv.sizing import ActivationProfile
 from kvtune_engine.sim.summary import SimSummary
 
 from .fit import samples_from_engine_steps
@@ -158,6 +159,9 @@ class Observation:
     lengths: LengthStats | None = None
     step_samples: tuple[StepSample, ...] = ()
     summary: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
+    #: the step shape the engine's start-up memory profile covered (state ``activation_profile``): a
+    #: live raise past it is refused by the engine (it needs a restart); None: not bounded
+    activation_profile: ActivationProfile | None = None
 
     # ---- derived figures ----
     @property
@@ -326,7 +330,16 @@ class Observation:
             lengths=LengthStats.from_trace(trace) if trace is not None else None,
             step_samples=tuple(samples),
             summary=None,
+            activation_profile=_activation_profile(st.get("activation_profile")),
         )
+
+
+def _activation_profile(d: Any) -> ActivationProfile | None:
+    """State's ``activation_profile``; None when absent or unreadable (an older engine)."""
+    try:
+        return ActivationProfile.of(int(d["max_num_batched_tokens"]), int(d["max_num_seqs"]))
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 def _or0(v: float | None) -> float:
