@@ -77,8 +77,10 @@ def _deployment_condition(deployment: dict[str, Any] | None, type_: str) -> dict
     return get_condition(((deployment or {}).get("status") or {}).get("conditions"), type_)
 
 
-def ready_condition(desired: int, deployment: dict[str, Any] | None) -> Cond:
+def ready_condition(desired: int, deployment: dict[str, Any] | None, *, not_owned: str | None = None) -> Cond:
     r = replicas_of(desired, deployment)
+    if deployment is None and not_owned:
+        return Cond(READY, "False", "ChildNotOwned", not_owned)
     if deployment is None:
         return Cond(READY, "False", "DeploymentMissing", "the engine Deployment does not exist yet")
     if desired == 0:
@@ -88,7 +90,10 @@ def ready_condition(desired: int, deployment: dict[str, Any] | None) -> Cond:
     return Cond(READY, "False", "ReplicasNotReady", f"{r.ready}/{desired} engine pods ready")
 
 
-def progressing_condition(desired: int, deployment: dict[str, Any] | None, restart_knobs: list[str]) -> Cond:
+def progressing_condition(desired: int, deployment: dict[str, Any] | None, restart_knobs: list[str], *,
+                          not_owned: str | None = None) -> Cond:
+    if deployment is None and not_owned:
+        return Cond(PROGRESSING, "False", "ChildNotOwned", not_owned)
     if deployment is None:
         return Cond(PROGRESSING, "True", "Creating", "creating the engine Deployment")
     r = replicas_of(desired, deployment)
@@ -138,10 +143,14 @@ def pod_problem(pods: Iterable[dict[str, Any]]) -> Cond | None:
 
 
 def degraded_condition(*, config_error: str | None, apply_error: str | None, missing_pvc: str | None,
-                       deployment: dict[str, Any] | None, pods: Iterable[dict[str, Any]]) -> Cond:
-    """Degraded=True with the most basic problem first; False (AsExpected) when none."""
+                       deployment: dict[str, Any] | None, pods: Iterable[dict[str, Any]],
+                       not_owned: str | None = None) -> Cond:
+    """Degraded=True with the most basic problem first; False (AsExpected) when none. `not_owned`:
+    children of our names that exist and belong to somebody else (left untouched)."""
     if config_error:
         return Cond(DEGRADED, "True", "InvalidSpec", config_error)
+    if not_owned:
+        return Cond(DEGRADED, "True", "ChildNotOwned", not_owned + (f"; {apply_error}" if apply_error else ""))
     if apply_error:
         return Cond(DEGRADED, "True", "ApplyFailed", apply_error)
     if missing_pvc:

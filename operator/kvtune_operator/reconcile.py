@@ -29,6 +29,7 @@ from kvtune_operator import conditions as c
 from kvtune_operator.effective import Effective, autotune_mode, effective_engine
 from kvtune_operator.kube import KubeError, now_rfc3339
 from kvtune_operator.model import KNOBS, KNOBS_BY_CAMEL, AutotuneMode, InferenceDeployment, TuningStatus
+from kvtune_operator.ownership import apply_order, blockers, label, may_write, not_owned_message, owned_by
 from kvtune_operator.render import (ANNOTATION_RESTART_HASH, admin_key_of, child_names, render_admin_secret,
                                     render_children, runtime_restart_hash, selector_string)
 from kvtune_operator.render_vllm import DEFAULT_VLLM_IMAGE
@@ -137,6 +138,18 @@ def child_events(applied: Iterable[Applied], *, knob_events: bool) -> list[Event
     return events
 
 
+def admin_key_events(applied: Iterable[Applied]) -> list[EventSpec]:
+    """A Warning when the admin key's Secret was created again under an existing Deployment: its pods
+    read the old key at start-up, so they roll onto the new one (the key's hash on the pod template)."""
+    by_kind = {a.obj["kind"]: a for a in applied}
+    secret, dep = by_kind.get("Secret"), by_kind.get("Deployment")
+    if secret is None or not secret.created or dep is None or dep.created:
+        return []
+    return [EventSpec("Warning", "AdminKeyRecreated",
+                      f"{secret.label} was gone: created it again with a new admin key; rolling {dep.label} "
+                      "so its pods use it")]
+
+
 def _changes(old: Any, patch: Any) -> bool:
     """Would this JSON merge patch change `old`?"""
     if isinstance(patch, dict) and isinstance(old, dict):
@@ -182,9 +195,14 @@ class Reconciler:
         now = now_rfc3339()
         outcome = Outcome(events=list(extra_events))
         config_error = apply_error = None
+        errors: list[str] = []
+        failed: list[str] = []  # kinds whose apply failed or was held back
         effective: Effective | None = None
         deployment: dict[str, Any] | None = None
         applied: list[Applied] = []
+        not_owned: list[str] = []  # children of our names that exist and are not ours: left untouched
+        held_back: list[str] = []  # children not applied because one they need is not in place
+        before_of: dict[str, dict[str, Any] | None] = {}
         status: dict[str, Any] = dict(status_update)
         try:
             infd = InferenceDeployment.from_body(raw)
@@ -206,22 +224,59 @@ class Reconciler:
         if infd is not None and effective is not None:
             image = infd.spec.image or (DEFAULT_VLLM_IMAGE if infd.spec.runtime == "vllm" else self.settings.engine_image)
             pod_monitor = self.settings.pod_monitor == "auto" and self.kube.served(*PODMONITOR)
-            children = render_children(infd, effective.config, image=image, pod_monitor=pod_monitor,
-                                       allow_namespaces=self.settings.network_allow_namespaces)
+            uid = infd.metadata.uid
             secret_name = child_names(name).admin_secret
-            key = admin_key_of(self.kube.get("v1", "Secret", namespace, secret_name)) or secrets.token_urlsafe(32)
-            for obj in [render_admin_secret(infd, key), *children]:
-                md = obj["metadata"]
+            # read every child first: which of our names are taken by somebody else's objects decides
+            # what may be applied at all (a Secret of our name that is not ours holds no key of ours)
+            read_errors: dict[str, str] = {}
+            try:
+                before_of["Secret"] = self.kube.get("v1", "Secret", namespace, secret_name)
+            except KubeError as e:
+                read_errors["Secret"] = f"reading Secret {secret_name} failed: {e}"
+            secret = before_of.get("Secret")
+            key = (admin_key_of(secret) if owned_by(secret, uid) else None) or secrets.token_urlsafe(32)
+            children = render_children(infd, effective.config, image=image, pod_monitor=pod_monitor,
+                                       allow_namespaces=self.settings.network_allow_namespaces, admin_key=key)
+            objs = apply_order([render_admin_secret(infd, key), *children])
+            for obj in objs:
+                kind, md = obj["kind"], obj["metadata"]
+                if kind in before_of or kind in read_errors:
+                    continue
                 try:
-                    before = self.kube.get(obj["apiVersion"], obj["kind"], md["namespace"], md["name"])
+                    before_of[kind] = self.kube.get(obj["apiVersion"], kind, md["namespace"], md["name"])
+                except KubeError as e:
+                    read_errors[kind] = f"reading {label(obj)} failed: {e}"
+            refused = [o["kind"] for o in objs if o["kind"] in before_of and not may_write(before_of[o["kind"]], uid)]
+            not_owned += [label(o) for o in objs if o["kind"] in refused]
+            for obj in objs:
+                kind = obj["kind"]
+                if kind in refused:
+                    continue
+                if kind in read_errors:
+                    errors.append(read_errors[kind])
+                    failed.append(kind)
+                    continue
+                waits_for = blockers(kind, failed=failed, refused=refused)
+                if waits_for:
+                    held_back.append(label(obj))
+                    failed.append(kind)
+                    if any(k in failed for k in waits_for):
+                        errors.append(f"{label(obj)} not applied: its "
+                                      f"{' and '.join(k for k in waits_for if k in failed)} must be in place first")
+                    continue
+                try:
                     after = self.kube.apply(obj)
                 except KubeError as e:
-                    apply_error = f"applying {obj['kind']} {md['name']} failed: {e}"
-                    log.warning("%s/%s: %s", namespace, name, apply_error)
-                    break
-                applied.append(Applied(obj, before, after))
-                if obj["kind"] == "Deployment":
+                    errors.append(f"applying {label(obj)} failed: {e}")
+                    log.warning("%s/%s: %s", namespace, name, errors[-1])
+                    failed.append(kind)
+                    continue
+                applied.append(Applied(obj, before_of[kind], after))
+                if kind == "Deployment":
                     deployment = after
+            if not_owned:
+                log.warning("%s/%s: %s", namespace, name, not_owned_message(not_owned, held_back))
+            outcome.events += admin_key_events(applied)
             knob_events = knob_change_events(old_status.get("engine"), effective,
                                              children[0]["metadata"]["name"], children[1]["metadata"]["name"])
             outcome.events += child_events(applied, knob_events=bool(knob_events)) + knob_events
@@ -232,7 +287,13 @@ class Reconciler:
                 "image": image,
             })
         if deployment is None:  # not applied (invalid spec, failed apply): observe what is there
-            deployment = self.kube.get("apps/v1", "Deployment", namespace, name)
+            deployment = before_of["Deployment"] if "Deployment" in before_of else \
+                self.kube.get("apps/v1", "Deployment", namespace, name)
+            if infd is not None and deployment is not None and not owned_by(deployment, infd.metadata.uid):
+                deployment = None  # somebody else's: its replicas are not ours to report
+        if "NetworkPolicy" in failed and before_of.get("NetworkPolicy") is None and deployment is not None:
+            errors.append(f"the running pods of Deployment {name} have no NetworkPolicy")
+        apply_error = "; ".join(errors) or None
 
         # -- observe ------------------------------------------------------------------------------
         desired = infd.spec.replicas if infd else 0
@@ -248,11 +309,12 @@ class Reconciler:
         restart_changed = sorted(KNOBS[k] for k in restarting
                                  if old_engine and new_engine and old_engine.get(KNOBS[k]) != new_engine.get(KNOBS[k]))
         conds = list(old_status.get("conditions") or [])
+        not_owned_msg = not_owned_message(not_owned, held_back) if not_owned else None
         new_conds = [
-            c.ready_condition(desired, deployment),
-            c.progressing_condition(desired, deployment, restart_changed),
+            c.ready_condition(desired, deployment, not_owned=not_owned_msg),
+            c.progressing_condition(desired, deployment, restart_changed, not_owned=not_owned_msg),
             c.degraded_condition(config_error=config_error, apply_error=apply_error, missing_pvc=missing_pvc,
-                                 deployment=deployment, pods=pods),
+                                 deployment=deployment, pods=pods, not_owned=not_owned_msg),
             *c.tuner_conditions(conds, mode),
             *extra,
         ]
@@ -281,7 +343,7 @@ class Reconciler:
             "tuning": tuning,
             "conditions": conds,
         })
-        if not (config_error or apply_error):
+        if not (config_error or apply_error or not_owned):
             status["observedGeneration"] = generation
         outcome.status = status
         outcome.retry = apply_error
@@ -298,9 +360,15 @@ class Reconciler:
         return outcome
 
 
-def engine_admin_key(kube: Any, namespace: str, name: str) -> str | None:
-    """The admin key of an InferenceDeployment's engines (the operator's own reads of /kvtune/v1/*)."""
+def engine_admin_key(kube: Any, namespace: str, name: str, uid: str | None = None) -> str | None:
+    """The admin key of an InferenceDeployment's engines (the operator's own reads of /kvtune/v1/*),
+    from the Secret it owns: a Secret of that name owned by anything else (`uid` when given, else any
+    controller but an InferenceDeployment of that name) holds no key of ours."""
     try:
-        return admin_key_of(kube.get("v1", "Secret", namespace, child_names(name).admin_secret))
+        secret = kube.get("v1", "Secret", namespace, child_names(name).admin_secret)
     except KubeError:
         return None
+    refs = [r for r in ((secret or {}).get("metadata") or {}).get("ownerReferences") or [] if r.get("controller")]
+    ours = owned_by(secret, uid) if uid else \
+        any(r.get("kind") == "InferenceDeployment" and r.get("name") == name for r in refs)
+    return admin_key_of(secret) if ours else None

@@ -15,7 +15,9 @@ clients spec.network.allowFrom names (default: the namespace), and to 8001 only 
 the operator and Prometheus and spec.network.allowMetricsFrom. vLLM serves everything on 8000.
 The ConfigMap key ``engine.yaml`` holds every knob in ``EngineConfig.model_dump()`` form; the engine
 watches it and applies the live knobs. The pod template carries ``kvtune.io/restart-hash``, a hash of
-only the restart knobs, so a restart knob rolls the pods and a live knob does not.
+only the restart knobs, so a restart knob rolls the pods and a live knob does not, and
+``kvtune.io/admin-key-hash``, a hash of the admin key: the container reads the key from the Secret
+when it starts, so a new key (the Secret deleted and created again) rolls the pods onto it.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ LABEL_INFD = "kvtune.io/inference-deployment"
 ENGINE_APP = "kvtune-engine"
 MANAGED_BY = "kvtune-operator"
 ANNOTATION_RESTART_HASH = "kvtune.io/restart-hash"
+ANNOTATION_ADMIN_KEY_HASH = "kvtune.io/admin-key-hash"
 ADMIN_KEY_ENV = "KVTUNE_ADMIN_KEY"
 ADMIN_KEY_KEY = "admin-key"
 
@@ -219,6 +222,11 @@ def render_admin_secret(infd: InferenceDeployment, admin_key: str) -> dict[str, 
             "data": {ADMIN_KEY_KEY: base64.b64encode(admin_key.encode()).decode()}}
 
 
+def admin_key_hash(admin_key: str) -> str:
+    """What the pod template carries of the admin key: enough to tell two keys apart, nothing to use."""
+    return hashlib.sha256(b"kvtune-admin-key\0" + admin_key.encode()).hexdigest()[:16]
+
+
 def admin_key_of(secret: dict[str, Any] | None) -> str | None:
     """The admin key in a Secret rendered by ``render_admin_secret`` (None: absent or unreadable)."""
     try:
@@ -269,10 +277,12 @@ def _tcp(port: int) -> dict[str, Any]:
 
 
 def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: str,
-                    pod_monitor: bool, allow_namespaces: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """The ConfigMap, Deployment, Service, NetworkPolicy (and PodMonitor) of one InferenceDeployment,
-    in apply order (the admin key's Secret is ``render_admin_secret``'s, applied first).
-    ``allow_namespaces``: namespaces always admitted by the NetworkPolicy (operator, Prometheus)."""
+                    pod_monitor: bool, allow_namespaces: tuple[str, ...] = (),
+                    admin_key: str | None = None) -> list[dict[str, Any]]:
+    """The ConfigMap, Deployment, Service, NetworkPolicy (and PodMonitor) of one InferenceDeployment
+    (the admin key's Secret is ``render_admin_secret``'s; ownership.apply_order orders the apply).
+    ``allow_namespaces``: namespaces always admitted by the NetworkPolicy (operator, Prometheus).
+    ``admin_key``: the key in the Secret, whose hash the pod template carries."""
     name = infd.metadata.name
     vol = infd.spec.model.volume
     context = {
@@ -284,6 +294,7 @@ def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: s
         "selector": selector_labels(name),
         "owner_references": owner_references(infd),
         "restart_hash": runtime_restart_hash(infd, config),
+        "admin_key_hash": admin_key_hash(admin_key) if admin_key else None,
         "config_key": CONFIG_KEY,
         "config_dir": CONFIG_DIR,
         "engine_yaml": engine_yaml(config, _left_to_engine(infd, config)),

@@ -460,7 +460,7 @@ class TuningLoop:
                 return TickResult()
         try:
             gathered = gather(plan, namespace, name, infd.spec, _since_last_change(status, now),
-                              admin_key=engine_admin_key(self.reconciler.kube, namespace, name),
+                              admin_key=engine_admin_key(self.reconciler.kube, namespace, name, infd.metadata.uid),
                               running=effective_engine(infd.spec, status, plan.mode).config)
         except MetricsUnavailable as e:
             waiting = " A pending change keeps waiting for its verdict." if pending is not None else ""
