@@ -8,10 +8,22 @@ replays. The scrape addresses found on the way are the engines whose trace the t
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import ipaddress
+import json
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
+from urllib.parse import urlsplit
+
+import httpx
 
 from .tuner.observation import MetricFigures
+
+#: every query: a total wall-clock deadline (connect, headers, body: not per read) and a byte cap on the
+#: (decoded) response; a Prometheus, or whatever answers at a URL, that drips or floods is cut off
+QUERY_DEADLINE_S = 10.0
+MAX_RESPONSE_BYTES = 64 << 20
 
 COUNTER_SUFFIXES = ("_total", "_count", "_sum", "_bucket")
 #: least share of the window that scrapes must cover before the tuner judges it (a Prometheus that
@@ -29,6 +41,106 @@ class MetricsUnavailable(RuntimeError):
     def __init__(self, reason: str, message: str):
         super().__init__(message)
         self.reason = reason
+
+
+class QueryFailed(RuntimeError):
+    """A bounded GET failed; the message is a short fixed reason (a status code, never a response body)."""
+
+
+def base_url(url: str) -> str:
+    """A Prometheus base URL, normalized for the allowlist: ``scheme://host:port/path`` (lower-case
+    scheme and host, explicit port, no trailing slash). ValueError for anything but http(s), and for a
+    query, a fragment or userinfo (``?x=`` would swallow the API path; ``user@`` hides the host)."""
+    if not isinstance(url, str) or any(ch in url for ch in "?#@\\ \t\r\n") or any(ord(ch) < 32 for ch in url):
+        raise ValueError("a Prometheus URL has no query, fragment, userinfo or whitespace")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError("not a valid URL") from None
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("a Prometheus URL is http:// or https:// with a host")
+    host = parts.hostname.lower()
+    host = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{host}:{port or (443 if scheme == 'https' else 80)}{parts.path.rstrip('/')}"
+
+
+def check_allowed(url: str, allowlist: Iterable[str]) -> str:
+    """The normalized `url` if the operator may query it, else MetricsUnavailable naming the allowlist."""
+    allowed = tuple(allowlist)
+    try:
+        base = base_url(url)
+    except ValueError as e:
+        raise MetricsUnavailable("PrometheusUrlInvalid", f"spec.metrics.prometheusUrl is refused: {e}") from None
+    if base not in allowed:
+        raise MetricsUnavailable(
+            "PrometheusUrlNotAllowed", "spec.metrics.prometheusUrl is not a Prometheus this operator may query; "
+            f"allowed: {', '.join(allowed)} (chart values prometheusUrl and prometheusAllowedUrls, "
+            "KVTUNE_PROMETHEUS_ALLOWED_URLS)")
+    return base
+
+
+def _run(coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from inside an event loop
+        return pool.submit(asyncio.run, coro).result()
+
+
+def bounded_get_json(url: str, params: Mapping[str, Any] | None = None, *, headers: Mapping[str, str] | None = None,
+                     deadline_s: float = QUERY_DEADLINE_S, max_bytes: int = MAX_RESPONSE_BYTES) -> Any:
+    """GET `url` and parse its JSON, all of it within `deadline_s` of wall-clock time and at most
+    `max_bytes` of body; no redirect is followed. Raises QueryFailed with a short fixed reason."""
+    async def fetch() -> bytes:
+        async with httpx.AsyncClient(timeout=deadline_s, follow_redirects=False,
+                                     headers={"Accept-Encoding": "identity", **(headers or {})}) as client:
+            async with client.stream("GET", url, params=params) as r:
+                if r.status_code != 200:
+                    raise QueryFailed(f"HTTP {r.status_code}")
+                if int(r.headers.get("content-length") or 0) > max_bytes:
+                    raise QueryFailed(f"the response is larger than {max_bytes} bytes")
+                body = bytearray()
+                async for chunk in r.aiter_bytes():
+                    body += chunk
+                    if len(body) > max_bytes:
+                        raise QueryFailed(f"the response is larger than {max_bytes} bytes")
+                return bytes(body)
+
+    try:
+        body = _run(asyncio.wait_for(fetch(), deadline_s))
+    except TimeoutError:
+        raise QueryFailed(f"no complete answer within {deadline_s:g}s") from None
+    except httpx.HTTPError as e:
+        raise QueryFailed(f"{type(e).__name__}") from None
+    try:
+        return json.loads(body)
+    except ValueError:
+        raise QueryFailed("the response is not JSON") from None
+
+
+def pod_host(address: str) -> str | None:
+    """The host of a scrape address (``host:port`` or a URL), normalized as an IP (None: not an IP)."""
+    try:
+        host = urlsplit(address if "//" in address else f"http://{address}").hostname
+        return str(ipaddress.ip_address(host or ""))
+    except ValueError:
+        return None
+
+
+def pod_ips(pods: Iterable[Mapping[str, Any]]) -> set[str]:
+    """The IPs of these pods (from the API: status.podIP and status.podIPs), terminating ones left out."""
+    out: set[str] = set()
+    for p in pods:
+        if (p.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        st = p.get("status") or {}
+        for ip in [st.get("podIP"), *[x.get("ip") for x in st.get("podIPs") or []]]:
+            if ip and pod_host(ip):
+                out.add(pod_host(ip))  # type: ignore[arg-type]
+    return out
 
 
 @dataclass
@@ -125,26 +237,43 @@ def coverage(series: list[dict[str, Any]], window_s: float, new_instances: Itera
     return best
 
 
-def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout_s: float = 10.0,
-                new_instances: Iterable[str] = (), runtime: str = "kvtune") -> Window:
+def query(url: str, promql: str, *, timeout_s: float = QUERY_DEADLINE_S,
+          max_bytes: int = MAX_RESPONSE_BYTES) -> list[dict[str, Any]]:
+    """One instant query's result (``/api/v1/query``), within a total deadline and a byte cap.
+    Raises QueryFailed with a short fixed reason: no part of a response body reaches a status or an event."""
+    answer = bounded_get_json(f"{base_url(url)}/api/v1/query", {"query": promql}, deadline_s=timeout_s,
+                              max_bytes=max_bytes)
+    if not isinstance(answer, dict) or answer.get("status") != "success":
+        raise QueryFailed("the answer is not a successful Prometheus query result")
+    result = (answer.get("data") or {}).get("result") if isinstance(answer.get("data"), dict) else None
+    if not isinstance(result, list):
+        raise QueryFailed("the answer is not a successful Prometheus query result")
+    return result
+
+
+def read_window(url: str, namespace: str, name: str, window_s: float, *, timeout_s: float = QUERY_DEADLINE_S,
+                new_instances: Iterable[str] = (), runtime: str = "kvtune",
+                max_bytes: int = MAX_RESPONSE_BYTES) -> Window:
     """Raises MetricsUnavailable (with a reason for the condition) when Prometheus or the series are
     missing. ``new_instances``: engines (host:port) that started inside the window. ``runtime``
-    vllm reads vLLM's own series (``vllm:*``) instead of kvtune's."""
-    from prometheus_api_client import PrometheusConnect
-
+    vllm reads vLLM's own series (``vllm:*``) instead of kvtune's. ``timeout_s`` is the query's total
+    deadline, ``max_bytes`` its response's cap."""
     pattern, anchor = RUNTIME_SERIES[runtime]
     family = "vllm:*" if runtime == "vllm" else "kvtune_*"
     selector = f'{{__name__=~"{pattern}",namespace="{namespace}",inference_deployment="{name}"}}'
     try:
-        prom = PrometheusConnect(url=url, disable_ssl=True, timeout=timeout_s)
-        series = prom.custom_query(query=f"{selector}[{max(1, int(window_s))}s]")
-    except Exception as e:  # connection refused, timeout, HTTP error: all mean "no metrics now"
+        series = query(url, f"{selector}[{max(1, int(window_s))}s]", timeout_s=timeout_s, max_bytes=max_bytes)
+    except (QueryFailed, ValueError) as e:  # refused, timed out, HTTP error: all mean "no metrics now"
         raise MetricsUnavailable("PrometheusUnreachable", f"cannot query Prometheus at {url}: {e}") from None
     if not series:
         raise MetricsUnavailable(
             "NoSeries", f"Prometheus at {url} has no {family} series for {namespace}/{name} "
             f"in the last {int(window_s)}s: is the engine scraped (PodMonitor) and running?")
-    figures, instances = window_figures(series, max(1, int(window_s)), new_instances)
+    try:
+        figures, instances = window_figures(series, max(1, int(window_s)), new_instances)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise MetricsUnavailable("PrometheusUnreachable", f"cannot query Prometheus at {url}: the answer is not "
+                                 "a range of samples") from None
     if figures.get(anchor) is None:
         raise MetricsUnavailable("IncompleteSeries", f"the series of {namespace}/{name} lack {anchor}")
     share = coverage(series, max(1, int(window_s)), new_instances, name=anchor)

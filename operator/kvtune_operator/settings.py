@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kvtune_engine import __version__
 from kvtune_operator.model import DURATION_PATTERN, AutotuneMode, parse_duration
+from kvtune_operator.prometheus import base_url
 
 ENV_PREFIX = "KVTUNE_"
 DEFAULT_ENGINE_IMAGE = f"kvtune/kvtune-engine:{__version__}"
@@ -25,7 +26,11 @@ class Settings(BaseModel):
     namespaces: tuple[str, ...] = Field(
         (), description="Namespaces to watch; empty watches all namespaces (cluster-wide).")
     prometheus_url: str = Field(DEFAULT_PROMETHEUS_URL, pattern=r"^https?://",
-                                description="Prometheus the tuner reads when spec.metrics.prometheusUrl is unset.")
+                                description="Prometheus the tuner reads when spec.metrics.prometheusUrl is unset "
+                                            "(always in the allowlist).")
+    prometheus_allowed_urls: tuple[str, ...] = Field(
+        (), description="Other Prometheus base URLs spec.metrics.prometheusUrl may name (scheme, host, port and "
+                        "path, exactly); any other URL is refused: the operator fetches what the resource names.")
     engine_image: str = Field(DEFAULT_ENGINE_IMAGE, min_length=1,
                               description="Engine image when spec.image is unset.")
     autotune_mode: AutotuneMode = Field(AutotuneMode.RECOMMEND, description="Mode when spec.autotune.mode is unset.")
@@ -57,6 +62,31 @@ class Settings(BaseModel):
         if isinstance(v, str):
             v = v.split(",")
         return tuple(sorted({n.strip() for n in v if n and n.strip()}))
+
+    @field_validator("prometheus_allowed_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.split(",")
+        return tuple(dict.fromkeys(u.strip() for u in v if u and u.strip()))
+
+    @field_validator("prometheus_url")
+    @classmethod
+    def _one_base_url(cls, v: str) -> str:
+        base_url(v)  # raises ValueError: query, fragment, userinfo
+        return v
+
+    @field_validator("prometheus_allowed_urls")
+    @classmethod
+    def _base_urls(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for u in v:
+            base_url(u)
+        return v
+
+    @property
+    def prometheus_allowlist(self) -> tuple[str, ...]:
+        """The Prometheus base URLs the tuner may query, normalized (`prometheus.base_url`)."""
+        return tuple(dict.fromkeys(base_url(u) for u in (self.prometheus_url, *self.prometheus_allowed_urls)))
 
     @field_validator("liveness", mode="before")
     @classmethod

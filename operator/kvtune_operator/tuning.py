@@ -17,8 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, MutableMapping
 
-import httpx
-
 from kvtune_engine.config import RESTART_KNOBS, EngineConfig
 from kvtune_engine.sim.profile import Profile
 
@@ -28,7 +26,8 @@ from .effective import (AutotunePlan, baseline_config, effective_engine, frozen_
 from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, Figures,
                     InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningDecision,
                     TuningStatus, parse_duration, to_camel_dict)
-from .prometheus import MetricsUnavailable, read_window
+from .prometheus import (MAX_RESPONSE_BYTES, MetricsUnavailable, QueryFailed, bounded_get_json, check_allowed,
+                         pod_host, pod_ips, read_window)
 from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
 from .rollout import rollout_failure, rollout_pending
@@ -82,11 +81,18 @@ def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSe
 
 
 def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploymentSpec,
-           since_change_s: float | None, *, timeout_s: float = 10.0, admin_key: str | None = None,
-           running: EngineConfig | None = None) -> Gathered:
+           since_change_s: float | None, *, allowed: tuple[str, ...], pods: set[str],
+           timeout_s: float = 10.0, admin_key: str | None = None, running: EngineConfig | None = None,
+           max_bytes: int = MAX_RESPONSE_BYTES) -> Gathered:
     """Prometheus over the window (never reaching back past the last change, nor past the start of
     the engine it reads: after a restart change, the new pods' start), then the state, trace and step
-    log of one replica Prometheus scraped. Raises MetricsUnavailable with a reason."""
+    log of one replica Prometheus scraped. Raises MetricsUnavailable with a reason.
+
+    ``allowed``: the Prometheus base URLs the operator may query (`Settings.prometheus_allowlist`);
+    ``pods``: the IPs of this InferenceDeployment's own pods, as the API lists them: the admin key goes
+    to those only, whatever addresses Prometheus lists. Every request has a total deadline
+    (``timeout_s``) and a byte cap (``max_bytes``)."""
+    check_allowed(plan.prometheus_url, allowed)
     window = plan.window_s if since_change_s is None else min(plan.window_s, since_change_s)
     if window < MIN_WINDOW_S:
         raise MetricsUnavailable("WindowTooShort", f"only {window:.0f}s since the last change; "
@@ -97,35 +103,40 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
                                          slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s,
                                          timeout_s=timeout_s)
         return Gathered(obs, trace, window, trace_synthesized=True)
-    w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s)
+    w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s, max_bytes=max_bytes)
     errors, young = [], []
     for inst in w.instances:
         url = inst if inst.startswith("http") else f"http://{inst}"
+        if pod_host(url) not in pods:  # Prometheus' word is no proof: only our own pods get the key
+            errors.append(f"{inst[:80]}: not an IP of this InferenceDeployment's pods, not contacted")
+            continue
         try:
             # the admin API answers only the admin key of the operator's Secret <name>-admin-key
             headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-            with httpx.Client(timeout=timeout_s, headers=headers) as http:
-                state = http.get(f"{url}/kvtune/v1/state").raise_for_status().json()
-                uptime = float(state.get("uptime_s") or 0.0)
-                if uptime < MIN_WINDOW_S:
-                    young.append(f"{inst} started {uptime:.0f}s ago")
-                    continue
-                if uptime < window:
-                    # The engine started inside the window (a restart change rolled the pods): the
-                    # window before its start is another engine (the old pod, under the old knobs,
-                    # then none while the new one loaded), not the config this one runs.
-                    window = uptime
-                    w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s,
-                                    new_instances=[inst])
-                since = max(0.0, uptime - window)
-                # the replays run the requests still queued or running too (``backlog``); the
-                # window's own figures only the finished ones, as the engine's histograms do
-                wt = WindowTrace.split(http.get(f"{url}/kvtune/v1/trace", params={
-                    "since_s": max(0.0, since - window), "limit": 10000, "unfinished": "true"})
-                    .raise_for_status().json(), since)
-                steps = http.get(f"{url}/kvtune/v1/steps", params={"limit": 2000}).raise_for_status().json()
-        except (httpx.HTTPError, ValueError) as e:
-            errors.append(f"{url}: {e}")
+
+            def get(path: str, _base: str = url, **params: Any) -> Any:
+                return bounded_get_json(f"{_base}{path}", params or None, headers=headers, deadline_s=timeout_s,
+                                        max_bytes=max_bytes)
+            state = get("/kvtune/v1/state")
+            uptime = float(state.get("uptime_s") or 0.0)
+            if uptime < MIN_WINDOW_S:
+                young.append(f"{inst} started {uptime:.0f}s ago")
+                continue
+            if uptime < window:
+                # The engine started inside the window (a restart change rolled the pods): the
+                # window before its start is another engine (the old pod, under the old knobs,
+                # then none while the new one loaded), not the config this one runs.
+                window = uptime
+                w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s,
+                                new_instances=[inst], max_bytes=max_bytes)
+            since = max(0.0, uptime - window)
+            # the replays run the requests still queued or running too (``backlog``); the
+            # window's own figures only the finished ones, as the engine's histograms do
+            wt = WindowTrace.split(get("/kvtune/v1/trace", since_s=max(0.0, since - window), limit=10000,
+                                       unfinished="true"), since)
+            steps = get("/kvtune/v1/steps", limit=2000)
+        except (QueryFailed, ValueError, TypeError, KeyError, AttributeError) as e:
+            errors.append(f"{url}: {e if isinstance(e, QueryFailed) else 'not an engine answer'}")
             continue
         objectives = tuner_settings(spec, plan).objectives
         obs = Observation.from_metrics(w.figures, state=state, trace=wt.finished, window_s=window,
@@ -459,7 +470,9 @@ class TuningLoop:
             if now - pending.rolled_out_at.timestamp() < plan.window_s:
                 return TickResult()
         try:
+            own_pods = pod_ips(self.reconciler.kube.list_pods(namespace, selector_string(name)))
             gathered = gather(plan, namespace, name, infd.spec, _since_last_change(status, now),
+                              allowed=self.settings.prometheus_allowlist, pods=own_pods,
                               admin_key=engine_admin_key(self.reconciler.kube, namespace, name, infd.metadata.uid),
                               running=effective_engine(infd.spec, status, plan.mode).config)
         except MetricsUnavailable as e:

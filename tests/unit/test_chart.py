@@ -92,17 +92,23 @@ def test_helm_lint_and_template():
         assert res.returncode == 0, res.stdout + res.stderr
     docs = _template()
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount",
+    assert kinds == ["Deployment", "Role", "RoleBinding", "ServiceAccount",
                      "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
-    role = next(d for d in docs if d["kind"] == "ClusterRole")
-    assert _rules_as_calls(role["rules"]) == API_CALLS
+    role = next(d for d in docs if d["kind"] == "Role")
+    assert _rules_as_calls(role["rules"]) == API_CALLS and role["metadata"]["namespace"] == "kvtune-system"
     dep = next(d for d in docs if d["kind"] == "Deployment")
     c = dep["spec"]["template"]["spec"]["containers"][0]
     assert c["image"] == "kvtune/kvtune-operator:0.1.0"
     env = {e["name"]: e["value"] for e in c["env"]}
-    assert env["KVTUNE_ENGINE_IMAGE"] == "kvtune/kvtune-engine:0.1.0" and env["KVTUNE_NAMESPACES"] == ""
+    assert env["KVTUNE_ENGINE_IMAGE"] == "kvtune/kvtune-engine:0.1.0" and env["KVTUNE_NAMESPACES"] == "kvtune-system"
     settings = Settings.from_env(env)
-    assert settings.clusterwide and settings.liveness == "http://0.0.0.0:8080/healthz"
+    assert settings.namespaces == ("kvtune-system",) and settings.liveness == "http://0.0.0.0:8080/healthz"
+    wide = _template("--set", "rbac.clusterWide=true")
+    role = next(d for d in wide if d["kind"] == "ClusterRole")
+    assert _rules_as_calls(role["rules"]) == API_CALLS and not [d for d in wide if d["kind"] == "Role"]
+    env = {e["name"]: e["value"] for e in next(d for d in wide if d["kind"] == "Deployment")[
+        "spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert Settings.from_env(env).clusterwide
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     scoped = _template("--set", "watchNamespaces={a,b}", "--set", "grafanaDashboard.enabled=true")
@@ -117,9 +123,40 @@ def test_helm_lint_and_template():
     assert Settings.from_env(env).namespaces == ("a", "b")
 
 
+def _secret_verbs(docs: list[dict], kind: str) -> set[str]:
+    return {v for d in docs if d["kind"] == kind for r in d.get("rules") or []
+            if "" in r["apiGroups"] and ("secrets" in r["resources"] or "*" in r["resources"]) for v in r["verbs"]}
+
+
+def test_default_install_grants_no_cluster_wide_secret_access():
+    """The chart's defaults (watchNamespaces empty): no ClusterRole at all, so nothing on Secrets (nor
+    on Deployments, ConfigMaps, ...) outside the one namespace the operator watches, its own; every
+    grant is a Role bound in a watched namespace. Cluster-wide only as the explicit rbac.clusterWide,
+    which also refuses a watchNamespaces list it would silently ignore."""
+    for args in ([], ["--set", "watchNamespaces={a,b}"]):
+        docs = _template(*args)
+        assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")], args
+        watched = {e["value"] for d in docs if d["kind"] == "Deployment"
+                   for e in d["spec"]["template"]["spec"]["containers"][0]["env"] if e["name"] == "KVTUNE_NAMESPACES"}
+        (watched,) = watched
+        assert watched and {d["metadata"]["namespace"] for d in docs if d["kind"] in ("Role", "RoleBinding")} \
+            == set(watched.split(","))
+        for rb in (d for d in docs if d["kind"] == "RoleBinding"):
+            assert rb["roleRef"]["kind"] == "Role"
+    assert _secret_verbs(_template(), "Role") == {"get", "create", "patch"}
+    wide = _template("--set", "rbac.clusterWide=true")
+    assert _secret_verbs(wide, "ClusterRole") == {"get", "create", "patch"}  # what README says it grants
+    helm = _helm()
+    res = subprocess.run([helm, "template", "t", str(CHART), "--set", "rbac.clusterWide=true",
+                          "--set", "watchNamespaces={a}"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache", "HELM_CONFIG_HOME": "/tmp/helm-cfg",
+                              "HELM_DATA_HOME": "/tmp/helm-data"})
+    assert res.returncode != 0 and "rbac.clusterWide" in res.stderr
+
+
 def test_host_path_refused_by_the_apiserver_unless_allowed():
     """allowHostPath false (the default): a ValidatingAdmissionPolicy refuses InferenceDeployments with
-    spec.model.volume.hostPath, bound to the watched namespaces (all of them when none are listed);
+    spec.model.volume.hostPath, bound to the watched namespaces (all of them with rbac.clusterWide);
     allowHostPath true: no policy."""
     policy, binding = (next(d for d in _template() if d["kind"] == k)
                        for k in ("ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"))
@@ -129,7 +166,11 @@ def test_host_path_refused_by_the_apiserver_unless_allowed():
     (v,) = policy["spec"]["validations"]
     assert "hostPath" in v["expression"] and "allowHostPath" in v["message"]
     assert binding["spec"]["policyName"] == policy["metadata"]["name"]
-    assert binding["spec"]["validationActions"] == ["Deny"] and "matchResources" not in binding["spec"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    (sel,) = binding["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"]  # the one it watches
+    assert sel["values"] == ["kvtune-system"]
+    wide = next(d for d in _template("--set", "rbac.clusterWide=true") if d["kind"] == "ValidatingAdmissionPolicyBinding")
+    assert "matchResources" not in wide["spec"]
     scoped = next(d for d in _template("--set", "watchNamespaces={a,b}") if d["kind"] == "ValidatingAdmissionPolicyBinding")
     (sel,) = scoped["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"]
     assert sel == {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["a", "b"]}

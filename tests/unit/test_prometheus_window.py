@@ -87,12 +87,11 @@ def test_coverage_counts_the_scraped_share_of_the_window():
 
 def test_read_window_refuses_a_window_with_too_few_scrapes(monkeypatch):
     import pytest
-    from prometheus_api_client import PrometheusConnect
-
+    from kvtune_operator import prometheus
     from kvtune_operator.prometheus import MetricsUnavailable, read_window
 
     stamps = [float(t) for t in range(1, 21) if not 5 < t < 18]
-    monkeypatch.setattr(PrometheusConnect, "custom_query", lambda self, query: [_scrapes(stamps)])
+    monkeypatch.setattr(prometheus, "query", lambda url, promql, **kw: [_scrapes(stamps)])
     with pytest.raises(MetricsUnavailable) as e:
         read_window("http://127.0.0.1:9", "ns", "chat", 20)
     assert e.value.reason == "IncompleteWindow" and "of the last 20s" in str(e.value)

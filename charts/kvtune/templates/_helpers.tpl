@@ -26,3 +26,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{- /* The namespaces the operator watches, as JSON: [] means all of them (rbac.clusterWide, the only
+       way to get a ClusterRole); otherwise watchNamespaces, or the release's own namespace when that
+       is empty. */ -}}
+{{- define "kvtune.watchNamespaces" -}}
+{{- if .Values.rbac.clusterWide -}}
+{{- if .Values.watchNamespaces -}}
+{{- fail "rbac.clusterWide: true watches every namespace: leave watchNamespaces empty (or set rbac.clusterWide: false)" -}}
+{{- end -}}
+[]
+{{- else -}}
+{{- toJson (.Values.watchNamespaces | default (list .Release.Namespace)) -}}
+{{- end -}}
+{{- end -}}
