@@ -8,7 +8,6 @@ it imports nothing of the engine.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -43,14 +42,16 @@ TABLE: tuple[Knob, ...] = (
     Knob("block_size", "blockSize", live=False, tuned=True, bounded=True, choices=BLOCK_SIZES, vllm="--block-size"),
     Knob("gpu_memory_utilization", "gpuMemoryUtilization", live=False, tuned=True, bounded=True,
          search=(0.05, 0.95), allowed=(0.1, 0.98), vllm="--gpu-memory-utilization"),
+    # allowed maxima: host RAM of one node, device memory of one 16-GPU pod, and token counts well
+    # past any model's context; beyond them a value is a typo (1e308 GiB) the operator refuses
     Knob("swap_space", "swapSpaceGiB", live=False, tuned=True, bounded=True, search=(0.0, 64.0),
-         allowed=(0.0, math.inf), vllm="--kv-offloading-size"),
-    Knob("kv_cache_memory", "kvCacheMemoryGiB", live=False, vllm="--kv-cache-memory-bytes"),
-    Knob("max_num_seqs", "maxNumSeqs", live=True, tuned=True, bounded=True, search=(1, 1024), allowed=(1, math.inf),
+         allowed=(0.0, 1024.0), vllm="--kv-offloading-size"),
+    Knob("kv_cache_memory", "kvCacheMemoryGiB", live=False, allowed=(0.0, 2048.0), vllm="--kv-cache-memory-bytes"),
+    Knob("max_num_seqs", "maxNumSeqs", live=True, tuned=True, bounded=True, search=(1, 1024), allowed=(1, 16384),
          vllm="--max-num-seqs"),
     Knob("max_num_batched_tokens", "maxNumBatchedTokens", live=True, tuned=True, bounded=True,
-         search=(16, 65536), allowed=(1, math.inf), vllm="--max-num-batched-tokens"),
-    Knob("max_model_len", "maxModelLen", live=False, vllm="--max-model-len"),
+         search=(16, 65536), allowed=(1, 1048576), vllm="--max-num-batched-tokens"),
+    Knob("max_model_len", "maxModelLen", live=False, allowed=(2, 16777216), vllm="--max-model-len"),
     Knob("watermark", "watermark", live=True, tuned=True, vllm="--watermark"),
     Knob("enable_prefix_caching", "enablePrefixCaching", live=True, tuned=True, bounded=True, choices=BOOLS,
          vllm="--enable-prefix-caching"),

@@ -17,14 +17,14 @@ import json
 import re
 from datetime import datetime
 from enum import Enum
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, NamedTuple
 
 from annotated_types import Ge, Gt, Le, Lt
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvtune_engine.config import BLOCK_SIZES, LIVE_KNOBS, RESTART_KNOBS, EngineConfig
-from kvtune_engine.knobs import BOUNDED_KNOBS, BY_NAME, TABLE, VLLM_LACKS
+from kvtune_engine.knobs import BOOLS, BOUNDED_KNOBS, BY_NAME, TABLE, VLLM_LACKS
 
 GROUP = "kvtune.io"
 VERSION = "v1alpha1"
@@ -45,11 +45,23 @@ KNOBS: dict[str, str] = {k.name: k.camel for k in TABLE}
 #: spec.engine field (camelCase) -> EngineConfig field (snake_case).
 KNOBS_BY_CAMEL: dict[str, str] = {camel: snake for snake, camel in KNOBS.items()}
 
-#: Bounds tighter than the engine's own (a cluster-facing safety margin).
+#: Bounds tighter than the engine's own (a cluster-facing safety margin): the knob table's `allowed`.
 GPU_MEMORY_UTILIZATION_RANGE = BY_NAME["gpu_memory_utilization"].allowed
-_SPEC_BOUNDS: dict[str, dict[str, float]] = {
-    "gpu_memory_utilization": {"ge": GPU_MEMORY_UTILIZATION_RANGE[0], "le": GPU_MEMORY_UTILIZATION_RANGE[1]},
-}
+
+
+def _spec_metadata(name: str, engine_metadata: list[Any]) -> list[Any]:
+    """The bounds of a knob in the resource: the engine's, narrowed to the knob table's `allowed`
+    range (its lower end where tighter than the engine's, its upper end always: every knob the
+    resource takes has a maximum, so the apiserver refuses 1e308 instead of the operator failing)."""
+    allowed = BY_NAME[name].allowed
+    if allowed is None:
+        return engine_metadata
+    lo, hi = allowed
+    lower = [m for m in engine_metadata if isinstance(m, (Ge, Gt))]
+    engine_lo = max((getattr(m, "ge", None) if isinstance(m, Ge) else m.gt for m in lower), default=None)
+    if engine_lo is None or lo > engine_lo:
+        lower = [Ge(lo)]
+    return [*lower, Le(hi)]
 
 
 def to_engine_dict(camel_values: dict[str, Any]) -> dict[str, Any]:
@@ -84,10 +96,8 @@ def _knob_field(name: str, *, with_default: bool) -> tuple[Any, Any]:
         description = f"Token slots per KV-cache block; one of {', '.join(map(str, BLOCK_SIZES))}."
     else:
         description = info.description or name
-    if name in _SPEC_BOUNDS:
-        metadata = [
-            {"ge": Ge, "gt": Gt, "le": Le, "lt": Lt}[k](v) for k, v in _SPEC_BOUNDS[name].items()
-        ]
+    if name != "block_size":
+        metadata = _spec_metadata(name, metadata)
     description += _knob_note(name)
     optional = info.default is None or not with_default
     if metadata:
@@ -107,6 +117,16 @@ class CRDModel(BaseModel):
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore",
                               use_enum_values=True)
+
+    #: admission rules the operator checks as the apiserver does (each is also a CEL rule of the CRD)
+    _checks: ClassVar[tuple["Check", ...]] = ()
+
+    @model_validator(mode="after")
+    def _run_checks(self) -> "CRDModel":
+        for check in type(self)._checks:
+            if not check.ok(self):
+                raise ValueError(check.message)
+        return self
 
     def dump(self) -> dict[str, Any]:
         """The wire form: camelCase, without unset/None fields."""
@@ -159,6 +179,88 @@ def _rules(*rules: dict[str, str]) -> dict[str, Any]:
     return {"x-kubernetes-validations": list(rules)}
 
 
+class Check(NamedTuple):
+    """One admission rule said twice: in CEL for the apiserver (``rule``) and in Python for the
+    operator (``ok``), with one message that says what was wrong and what is allowed. A model lists
+    its checks in ``_checks`` and their CEL in its ``json_schema_extra`` (``_rules(*cel(...))``)."""
+
+    rule: str
+    message: str
+    ok: Callable[[Any], bool]
+    field_path: str | None = None
+
+    def cel(self) -> dict[str, str]:
+        out = {"rule": self.rule, "message": self.message}
+        if self.field_path:
+            out["fieldPath"] = self.field_path
+        return out
+
+
+def cel(checks: tuple[Check, ...]) -> list[dict[str, str]]:
+    return [c.cel() for c in checks]
+
+
+# --------------------------------------------------------------------------------------------
+# The trust model: what the resource may not set (README, "Trust model")
+# --------------------------------------------------------------------------------------------
+
+#: Variables of spec.env that are refused: the operator's and the engine's own (KVTUNE_*: the admin
+#: key, the ports, KVTUNE_EXT_DIR from which the engine loads its kernels' .so files), what the
+#: dynamic loader and Python load before any of our code runs (LD_*, PYTHON*, PATH), and vLLM's
+#: switches that open its API to more than completions. KVTUNE_API_KEY (the /v1 key) is allowed, as
+#: is every other name (vLLM's tuning variables such as VLLM_CPU_OMP_THREADS_BIND among them).
+RESERVED_ENV_PREFIXES = ("KVTUNE_", "LD_", "PYTHON")
+ALLOWED_ENV = ("KVTUNE_API_KEY",)
+RESERVED_ENV = ("PATH", "VLLM_SERVER_DEV_MODE", "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
+                "VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_PLUGINS")
+#: The operator's admin-key Secrets are named <InferenceDeployment>-admin-key.
+ADMIN_KEY_SECRET_SUFFIX = "-admin-key"
+
+
+def reserved_env(name: str) -> bool:
+    return name not in ALLOWED_ENV and (name.startswith(RESERVED_ENV_PREFIXES) or name in RESERVED_ENV)
+
+
+def _flags_of_knobs() -> tuple[str, ...]:
+    out: list[str] = []
+    for k in TABLE:
+        for flag in dict.fromkeys(f for f in (k.flag, k.vllm) if f):
+            out += [flag, "--no-" + flag[2:]] if k.choices == BOOLS else [flag]
+    return tuple(out)
+
+
+#: Flags spec.extraArgs may not carry, on either runtime (kvtune serve, vllm serve): those the
+#: operator sets (model, name, listen address and ports, config file, drain time: the Service, the
+#: NetworkPolicy and the probes rely on them), those that decide what the engine trusts (keys, remote
+#: code, a config file of more flags, local files and plugins it would load), and every knob's flag
+#: (knobs belong in spec.engine, where their bounds are checked and the tuner sees them).
+OPERATOR_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--admin-port", "--config-file",
+                  "--shutdown-timeout")
+TRUST_FLAGS = ("--api-key", "--admin-key", "--trust-remote-code", "--no-trust-remote-code", "--config", "--uds",
+               "--allowed-local-media-path", "--tool-parser-plugin", "--kv-offloading-backend")
+RESERVED_FLAGS = tuple(dict.fromkeys(OPERATOR_FLAGS + TRUST_FLAGS + _flags_of_knobs()))
+
+
+def reserved_arg(arg: str) -> str | None:
+    """The reserved flag `arg` sets (``--flag``, ``--flag=value``, ``--flag_name`` as vLLM reads it, or
+    an abbreviation argparse would expand), else None."""
+    if not arg.startswith("--") or len(arg) == 2:
+        return None
+    flag = arg.split("=")[0].split(" ")[0].replace("_", "-")
+    return next((f for f in RESERVED_FLAGS if f.startswith(flag)), None)
+
+
+def _cel_list(items: tuple[str, ...]) -> str:
+    return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+
+#: `$(VAR)` is expanded by Kubernetes in a container's args and env values, from the container's
+#: environment (Secret values included): refused in every field of ours that lands there.
+EXPANSION = "$("
+_NO_EXPANSION = ("must not contain '$(': Kubernetes expands $(VAR) there from the container's environment, "
+                 "Secret values included; write the text without '$('")
+
+
 # --------------------------------------------------------------------------------------------
 # spec
 # --------------------------------------------------------------------------------------------
@@ -199,6 +301,13 @@ class ModelVolume(CRDModel):
                                  description="Mount only this sub-directory of the volume.")
 
 
+_MODEL_CHECKS = (
+    Check("!self.path.contains('$(')", "model.path " + _NO_EXPANSION, lambda m: EXPANSION not in m.path, ".path"),
+    Check("!has(self.servedModelName) || !self.servedModelName.contains('$(')", "model.servedModelName " + _NO_EXPANSION,
+          lambda m: EXPANSION not in (m.served_model_name or ""), ".servedModelName"),
+)
+
+
 class ModelSpec(CRDModel):
     """The model to serve. Weights are a local directory in Hugging Face layout; never fetched at run time."""
 
@@ -208,7 +317,9 @@ class ModelSpec(CRDModel):
                  ": self.volume.mountPath + '/')",
          "message": "model.path must lie inside model.volume.mountPath, where the volume is mounted",
          "fieldPath": ".path"},
+        *cel(_MODEL_CHECKS),
     ))
+    _checks = _MODEL_CHECKS
 
     path: str = Field(..., min_length=2, max_length=4096, pattern=r"^/",
                       description="Absolute path of the model directory inside the engine container "
@@ -248,8 +359,30 @@ class SecretKeyRef(CRDModel):
     key: str = Field(..., min_length=1, max_length=253, description="Key in the Secret's data.")
 
 
+_ENV_CHECKS = (
+    Check(f"self.name in {_cel_list(ALLOWED_ENV)} || !(self.name in {_cel_list(RESERVED_ENV)} || "
+          + " || ".join(f"self.name.startsWith({json.dumps(p)})" for p in RESERVED_ENV_PREFIXES) + ")",
+          "env name is reserved: KVTUNE_* (the operator's and the engine's own variables, e.g. KVTUNE_ADMIN_KEY, "
+          "KVTUNE_EXT_DIR; KVTUNE_API_KEY is allowed), LD_* and PYTHON* (what the loader and Python load), PATH, "
+          "and vLLM's " + ", ".join(RESERVED_ENV[1:]) + "; other names are allowed, VLLM_* tuning variables "
+          "such as VLLM_CPU_OMP_THREADS_BIND among them",
+          lambda e: not reserved_env(e.name), ".name"),
+    Check("!self.value.contains('$(')", "env value " + _NO_EXPANSION,
+          lambda e: EXPANSION not in e.value, ".value"),
+    Check(f"!has(self.secretKeyRef) || !self.secretKeyRef.name.endsWith('{ADMIN_KEY_SECRET_SUFFIX}')",
+          f"secretKeyRef must not name an admin-key Secret of the operator (<name>{ADMIN_KEY_SECRET_SUFFIX}): its "
+          "key retunes an engine and reads its request trace; name a Secret of your own",
+          lambda e: e.secret_key_ref is None or not e.secret_key_ref.name.endswith(ADMIN_KEY_SECRET_SUFFIX),
+          ".secretKeyRef.name"),
+)
+
+
 class EnvVar(CRDModel):
-    """An extra environment variable of the engine container."""
+    """An extra environment variable of the engine container (reserved names are refused: README,
+    "Trust model")."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(*cel(_ENV_CHECKS)))
+    _checks = _ENV_CHECKS
 
     name: str = Field(..., min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$",
                       description="Variable name.")
@@ -342,14 +475,16 @@ class GpuMemoryRange(CRDModel):
 
 
 class SwapRange(CRDModel):
-    """An inclusive range of swap space in GiB; an omitted end means 0 / unbounded."""
+    """An inclusive range of swap space in GiB; an omitted end means the allowed limit (0 / 1024)."""
 
     model_config = ConfigDict(json_schema_extra=_rules(
         {"rule": "!has(self.min) || !has(self.max) || self.min <= self.max",
          "message": "min must not be greater than max"}))
 
-    min: float | None = Field(None, ge=0, description="Smallest swap space (GiB) the tuner may choose.")
-    max: float | None = Field(None, ge=0, description="Largest swap space (GiB) the tuner may choose.")
+    min: float | None = Field(None, ge=0, le=BY_NAME["swap_space"].allowed[1],
+                              description="Smallest swap space (GiB) the tuner may choose.")
+    max: float | None = Field(None, ge=0, le=BY_NAME["swap_space"].allowed[1],
+                              description="Largest swap space (GiB) the tuner may choose.")
 
 
 #: Knobs the tuner may change (the others stay at the baseline); a subset may be frozen by the user.
@@ -384,15 +519,51 @@ class Objectives(CRDModel):
         None, ge=0, description="Preemptions per minute (swap + recompute) above which the config is rejected.")
 
 
+#: Where autotune.interval and autotune.window may go (seconds): a round more often than every 5 s
+#: reads windows of less than one scrape; less often than hourly, or a window of more than an hour,
+#: is no closed loop.
+INTERVAL_RANGE = (5.0, 3600.0)
+WINDOW_RANGE = (10.0, 3600.0)
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds / 3600:g}h" if seconds >= 3600 else f"{seconds:g}s"
+
+
+def _duration_check(field: str, attr: str, lo: float, hi: float, why: str) -> Check:
+    return Check(f"!has(self.{field}) || (duration(self.{field}) >= duration('{_fmt(lo)}') && "
+                 f"duration(self.{field}) <= duration('{_fmt(hi)}'))",
+                 f"autotune.{field} must be between {_fmt(lo)} and {_fmt(hi)} ({why})",
+                 lambda a: getattr(a, attr) is None or lo <= parse_duration(getattr(a, attr)) <= hi, f".{field}")
+
+
+_AUTOTUNE_CHECKS = (
+    _duration_check("interval", "interval", *INTERVAL_RANGE, "how often the tuner looks, e.g. 60s"),
+    _duration_check("window", "window", *WINDOW_RANGE, "the metrics each decision reads, e.g. 5m"),
+    Check("!has(self.interval) || !has(self.window) || duration(self.window) >= duration(self.interval)",
+          "autotune.window must be at least autotune.interval: each round reads the window before it, and a "
+          "shorter one would leave what happened between two rounds unread",
+          lambda a: a.interval is None or a.window is None
+          or parse_duration(a.window) >= parse_duration(a.interval), ".window"),
+)
+
+
 class AutotuneSpec(CRDModel):
     """Closed-loop tuning of the engine knobs. Omitted fields take the operator's defaults."""
+
+    model_config = ConfigDict(json_schema_extra=_rules(*cel(_AUTOTUNE_CHECKS)))
+    _checks = _AUTOTUNE_CHECKS
 
     mode: AutotuneMode | None = Field(
         None, description="Off (quote it in YAML: \"Off\"): run spec.engine as written. Recommend: diagnose and predict, record the "
                           "recommendation in status, change nothing. Apply: also apply it, verify it and roll it "
                           "back if it did not help. Default: the operator's setting (Recommend unless configured).")
-    interval: Duration | None = Field(None, description="How often the tuner looks, e.g. 60s. Default: operator setting.")
-    window: Duration | None = Field(None, description="Observation window of metrics per decision, e.g. 5m. Default: operator setting.")
+    interval: Duration | None = Field(
+        None, description=f"How often the tuner looks, e.g. 60s; {_fmt(INTERVAL_RANGE[0])} to {_fmt(INTERVAL_RANGE[1])}. "
+                          "Default: operator setting.")
+    window: Duration | None = Field(
+        None, description=f"Observation window of metrics per decision, e.g. 5m; {_fmt(WINDOW_RANGE[0])} to "
+                          f"{_fmt(WINDOW_RANGE[1])}, at least the interval. Default: operator setting.")
     cooldown: Duration | None = Field(
         None, description="Least time between two restart-requiring changes, e.g. 15m. Default: operator setting.")
     objectives: Objectives | None = Field(None, description="Targets the tuner optimises for.")
@@ -442,8 +613,22 @@ _VLLM_RULES = (
 )
 
 
+_SPEC_CHECKS = (
+    Check("!has(self.extraArgs) || self.extraArgs.all(a, !a.startsWith('--') || a.size() == 2 || "
+          f"!{_cel_list(RESERVED_FLAGS)}.exists(f, f.startsWith(a.split('=')[0].split(' ')[0].replace('_', '-'))))",
+          "extraArgs must not set what the operator sets or what decides whom the engine trusts: "
+          + ", ".join(OPERATOR_FLAGS + TRUST_FLAGS) + ", nor a knob's flag (set knobs in spec.engine); as --flag "
+          "value, --flag=value or an abbreviation; an API key goes in env KVTUNE_API_KEY or VLLM_API_KEY from a Secret",
+          lambda s: not any(reserved_arg(a) for a in s.extra_args or []), ".extraArgs"),
+    Check("!has(self.extraArgs) || self.extraArgs.all(a, !a.contains('$('))", "extraArgs " + _NO_EXPANSION,
+          lambda s: not any(EXPANSION in a for a in s.extra_args or []), ".extraArgs"),
+)
+
+
 class InferenceDeploymentSpec(CRDModel):
     """An LLM served by kvtune's paged-KV engine, and how its KV-cache knobs are tuned."""
+
+    _checks = _SPEC_CHECKS
 
     model_config = ConfigDict(json_schema_extra=_rules(
         {"rule": "!has(self.autotune) || !has(self.autotune.bounds) || !has(self.autotune.bounds.blockSize) || "
@@ -453,6 +638,7 @@ class InferenceDeploymentSpec(CRDModel):
          "fieldPath": ".engine.blockSize"},
         *(_bounds_rule(k) for k in ("gpuMemoryUtilization", "swapSpaceGiB", "maxNumSeqs", "maxNumBatchedTokens")),
         *_VLLM_RULES,
+        *cel(_SPEC_CHECKS),
     ))
 
     model: ModelSpec = Field(..., description="The model to serve and where its weights are.")
@@ -478,8 +664,12 @@ class InferenceDeploymentSpec(CRDModel):
                                  description="Metrics collection for the tuner.")
     extra_args: list[Annotated[str, Field(max_length=4096)]] | None = Field(
         None, max_length=64,
-        description="Extra arguments appended to `kvtune serve` (e.g. --device cpu). Knobs belong in engine.")
-    env: list[EnvVar] | None = Field(None, max_length=64, description="Extra environment variables of the engine container.")
+        description="Extra arguments appended to `kvtune serve` or `vllm serve` (e.g. --device cpu, --dtype "
+                    "bfloat16). Knobs belong in engine; the flags the operator sets and those that decide whom "
+                    "the engine trusts are refused (README, Trust model).")
+    env: list[EnvVar] | None = Field(
+        None, max_length=64, description="Extra environment variables of the engine container (reserved names are "
+                                         "refused: README, Trust model).")
     network: NetworkSpec | None = Field(None, description="Who may connect to the engine pods (a NetworkPolicy).")
 
 
