@@ -228,6 +228,28 @@ BAD = [
     ({"model": {"path": "/models/m", "volume": {}}}, ["set exactly one of persistentVolumeClaim or hostPath"]),
     ({"model": {"path": "relative"}}, ["spec.model.path", "should match '^/'"]),
     ({"autotune": {"interval": "soon"}}, ["spec.autotune.interval", "should match"]),
+    # the trust model (README): what the resource may not set
+    ({"env": [{"name": "LD_PRELOAD", "value": "/models/x.so"}]}, ["spec.env[0].name", "env name is reserved",
+                                                                  "KVTUNE_API_KEY is allowed"]),
+    ({"env": [{"name": "KVTUNE_ADMIN_KEY", "secretKeyRef": {"name": "mine", "key": "k"}}]},
+     ["spec.env[0].name", "env name is reserved"]),
+    ({"env": [{"name": "T", "secretKeyRef": {"name": "other-admin-key", "key": "admin-key"}}]},
+     ["spec.env[0].secretKeyRef.name", "must not name an admin-key Secret of the operator"]),
+    ({"env": [{"name": "G", "value": "$(KVTUNE_ADMIN_KEY)"}]}, ["spec.env[0].value", "must not contain '$('"]),
+    ({"model": {"path": "/models/tiny", "servedModelName": "$(S)"}},
+     ["spec.model.servedModelName", "must not contain '$('"]),
+    ({"extraArgs": ["--dtype", "$(S)"]}, ["spec.extraArgs", "must not contain '$('"]),
+    ({"extraArgs": ["--admin-port=9"]}, ["spec.extraArgs", "must not set what the operator sets"]),
+    ({"runtime": "vllm", "extraArgs": ["--trust_remote_code"]}, ["spec.extraArgs", "--trust-remote-code"]),
+    ({"extraArgs": ["--port", "9000"]}, ["spec.extraArgs", "must not set what the operator sets"]),
+    ({"engine": {"swapSpaceGiB": 1e308}}, ["spec.engine.swapSpaceGiB", "less than or equal to 1024"]),
+    ({"engine": {"maxNumSeqs": 1000000}}, ["spec.engine.maxNumSeqs", "less than or equal to 16384"]),
+    ({"engine": {"kvCacheMemoryGiB": 1e9}}, ["spec.engine.kvCacheMemoryGiB", "less than or equal to 2048"]),
+    ({"engine": {"maxNumBatchedTokens": 10 ** 9}}, ["spec.engine.maxNumBatchedTokens", "less than or equal to"]),
+    ({"autotune": {"interval": "1ms"}}, ["spec.autotune.interval", "must be between 5s and 1h"]),
+    ({"autotune": {"interval": "720h"}}, ["spec.autotune.interval", "must be between 5s and 1h"]),
+    ({"autotune": {"window": "2h"}}, ["spec.autotune.window", "must be between 10s and 1h"]),
+    ({"autotune": {"interval": "10m", "window": "5m"}}, ["spec.autotune.window", "at least autotune.interval"]),
 ]
 
 

@@ -2,9 +2,10 @@
 
 Invariants owned here: limits come before work (a body over ``max_body_bytes`` is a 413 before it
 is parsed; JSON parsing, validation, chat templates and tokenization run on a worker pool, never
-on the event loop, so a huge request cannot delay another stream's tokens); one request's error
-ends that request only (a 4xx for what the client sent, a 500 naming the internal error for the
-rest); the loop's death stops the server (``on_fatal``) so the process exits non-zero.
+on the event loop, and so do building and encoding a non-streamed response, so a huge request or
+response cannot delay another stream's tokens); one request's error ends that request only (a 4xx
+for what the client sent, a 500 naming the internal error for the rest); the loop's death stops the
+server (``on_fatal``) so the process exits non-zero.
 """
 from __future__ import annotations
 
@@ -137,6 +138,11 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, con
     async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
+    async def json_off_loop(build: Callable[[], Any]) -> Response:
+        """A response body built and JSON-encoded on the worker pool: one with many logprobs is
+        megabytes, seconds of work that on the loop would stall every stream and /health."""
+        return Response(await off_loop(lambda: P.encode_json(build())), media_type="application/json")
+
     def cached(outs: list[RequestOutput]) -> int | None:
         return sum(o.num_cached_tokens for o in outs) if s.enable_prompt_tokens_details else None
 
@@ -212,6 +218,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, con
                     jobs.append(Job(ids, sp, echo, i))
         except InvalidRequest as e:
             raise P.HTTPError.from_invalid(e) from None
+        P.check_logprob_volume([j.params for j in jobs], body.stream)
         return body, jobs
 
     def prepare_chat(raw: bytes) -> tuple[P.ChatBody, list[Job]]:
@@ -247,6 +254,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, con
                 jobs.append(Job(ids, sp, "", 0))
         except InvalidRequest as e:
             raise P.HTTPError.from_invalid(e) from None
+        P.check_logprob_volume([j.params for j in jobs], body.stream)
         return body, jobs
 
     # ------------------------------------------------------------------ OpenAI API
@@ -337,10 +345,13 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, con
         for out in outs:
             if out.finish_reason == "error":
                 return _err(_failed(out))
-        choices = [choice(k, jobs[k].echo + out.text, out.logprobs, out.text_offsets, out) for k, out in enumerate(outs)]
-        return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-                "usage": P.usage(prompt_tokens, sum(o.num_output_tokens for o in outs),
-                                 cached([outs[k] for k in first_of_prompt]))}
+        def response() -> dict[str, Any]:
+            choices = [choice(k, jobs[k].echo + out.text, out.logprobs, out.text_offsets, out)
+                       for k, out in enumerate(outs)]
+            return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
+                    "usage": P.usage(prompt_tokens, sum(o.num_output_tokens for o in outs),
+                                     cached([outs[k] for k in first_of_prompt]))}
+        return await json_off_loop(response)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -415,11 +426,12 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, con
         for out in outs:
             if out.finish_reason == "error":
                 return _err(_failed(out))
-        return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": k, "message": {"role": "assistant", "content": out.text},
-                             "logprobs": P.chat_logprobs(out.logprobs, tok_str), **P.finish_fields(out)}
-                            for k, out in enumerate(outs)],
-                "usage": P.usage(n_prompt, sum(o.num_output_tokens for o in outs), cached(outs[:1]))}
+        return await json_off_loop(lambda: {
+            "id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": k, "message": {"role": "assistant", "content": out.text},
+                         "logprobs": P.chat_logprobs(out.logprobs, tok_str), **P.finish_fields(out)}
+                        for k, out in enumerate(outs)],
+            "usage": P.usage(n_prompt, sum(o.num_output_tokens for o in outs), cached(outs[:1]))})
 
     # ------------------------------------------------------------------ health, metrics
     @app.get("/health")

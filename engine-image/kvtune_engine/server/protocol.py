@@ -23,6 +23,12 @@ from ..input_processor import InvalidRequest
 from ..outputs import RequestOutput, TokenLogprob
 
 MAX_N = 128  # choices per request (n x prompts): beyond it, send several requests
+#: logprob entries one non-streamed response may hold (n x max_tokens x (1 + top_logprobs)): each is a
+#: JSON object; 2**20 of them are ~70 MB and seconds of a worker's CPU to build and encode
+MAX_LOGPROB_ENTRIES = 1 << 20
+#: list items encoded per call of the C JSON encoder (``encode_json``): it holds the GIL for a whole
+#: call, so a large response is encoded in pieces that let the event loop's thread run in between
+JSON_PIECE_ITEMS = 256
 
 #: OpenAI fields this engine does not implement yet: 400, unless the value means "off".
 NOT_SUPPORTED = {
@@ -174,6 +180,56 @@ def check_fields(body: _Base, served: str, model_names: list[str]) -> None:
     if body.cache_salt is not None and not 1 <= len(body.cache_salt) <= 256:
         raise HTTPError(400, "cache_salt: must be a non-empty string of at most 256 characters",
                         param="cache_salt")
+
+
+def check_logprob_volume(params: list[SamplingParams], stream: bool) -> None:
+    """A non-streamed response with more than MAX_LOGPROB_ENTRIES logprob entries is a 400 before
+    any work: it is built and encoded whole (a streamed one goes out step by step)."""
+    if stream:
+        return
+    entries = sum(p.max_tokens * (1 + p.logprobs) for p in params if p.logprobs is not None)
+    if entries > MAX_LOGPROB_ENTRIES:
+        p = params[0]
+        raise HTTPError(400, f"n x max_tokens x (1 + top_logprobs) = {len(params)} x {p.max_tokens} x "
+                             f"(1 + {p.logprobs}) = {entries} logprob entries exceeds the {MAX_LOGPROB_ENTRIES} "
+                             "one response may hold; lower n, max_tokens or top_logprobs, or stream the "
+                             "response (stream: true)", param="max_tokens", code="response_too_large")
+
+
+def encode_json(obj: Any) -> bytes:
+    """Compact UTF-8 JSON of ``obj`` in pieces (``JSON_PIECE_ITEMS`` list items per encoder call), the
+    same text as FastAPI's JSONResponse renders. Runs on a worker: see JSON_PIECE_ITEMS."""
+    out: list[str] = []
+    _encode(obj, out)
+    return "".join(out).encode()
+
+
+def _dumps(x: Any) -> str:
+    return json.dumps(x, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def _encode(x: Any, out: list[str]) -> None:
+    dumps = _dumps
+    if isinstance(x, dict):
+        out.append("{")
+        for i, (k, v) in enumerate(x.items()):
+            out.append(("," if i else "") + dumps(str(k)) + ":")
+            _encode(v, out)
+        out.append("}")
+    elif isinstance(x, (list, tuple)) and len(x) > JSON_PIECE_ITEMS:
+        out.append("[")
+        for i in range(0, len(x), JSON_PIECE_ITEMS):   # token-level lists: small items, many of them
+            out.append(("," if i else "") + dumps(list(x[i:i + JSON_PIECE_ITEMS]))[1:-1])
+        out.append("]")
+    elif isinstance(x, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in x):
+        out.append("[")
+        for i, v in enumerate(x):
+            if i:
+                out.append(",")
+            _encode(v, out)
+        out.append("]")
+    else:
+        out.append(dumps(x))
 
 
 _TOKEN_ID = re.compile(r"^[0-9]{1,10}$")
