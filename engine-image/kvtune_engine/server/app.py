@@ -32,6 +32,7 @@ from ..outputs import RequestOutput
 from . import protocol as P
 from .async_engine import AsyncEngine, RequestStream
 from .auth import AuthMiddleware
+from .body_drain import BodyDrainMiddleware
 from .chat import render_chat
 
 log = logging.getLogger("kvtune.server")
@@ -107,6 +108,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, con
     app.state.async_engine = aeng
     app.state.settings = s
     app.add_middleware(AuthMiddleware, api_key=s.api_key, admin_key=s.admin_key, admin_port=s.admin_port)
+    app.add_middleware(BodyDrainMiddleware)  # outermost: every early refusal is readable
 
     # ------------------------------------------------------------------ helpers
     def check_capacity(n_new: int) -> None:

@@ -99,13 +99,22 @@ def _listen(host: str, port: int) -> socket.socket:
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=5.0, show_default=True, metavar="SECONDS",
               help="On SIGTERM the server takes no new request and lets those in flight (queued ones too) "
                    "finish for at most this long, then cancels them (a pod's grace period minus its preStop).")
+@click.option("--keep-alive-timeout", type=click.FloatRange(min=0, min_open=True), default=120.0, show_default=True,
+              metavar="SECONDS",
+              help="Close a keep-alive connection idle this long: longer than client pools' idle timeouts (aiohttp "
+                   "15 s, Go 90 s), so that the client closes an idle pooled connection, never the server under it.")
+@click.option("--header-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              metavar="SECONDS",
+              help="A request head not complete this long after its first byte gets 408 and the connection closes.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Open connections at most; over it the longest-idle one is closed, or the new request gets 503.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str, device_memory: float | None,
           host: str, port: int | None, admin_port: int | None,
           api_key: str | None, admin_key: str | None, max_body_mib: float, enable_prompt_tokens_details: bool,
-          config_file: str | None, max_waiting: int | None, shutdown_timeout: float, log_level: str,
-          **flags: Any) -> None:
+          config_file: str | None, max_waiting: int | None, shutdown_timeout: float, keep_alive_timeout: float,
+          header_timeout: float, max_connections: int, log_level: str, **flags: Any) -> None:
     """Serve a model: OpenAI-compatible API, /metrics, and the admin API under /kvtune/v1/."""
     # OpenMP threads that spin at barriers hold the cores their partners need whenever anything else
     # runs (other pods, the server's own threads): small ops then wait out whole time slices. Must be
@@ -164,6 +173,7 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     import uvicorn
 
     from .app import ServerSettings, create_app
+    from .http_connection import ConnectionLimits, protocol_class
     server: uvicorn.Server | None = None
 
     def on_fatal(e: BaseException) -> None:  # the engine thread died: stop serving, exit non-zero
@@ -184,8 +194,12 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
         log.info("no --admin-key: the admin API /kvtune/v1/* answers on loopback only")
     if admin_port is not None:
         log.info("/metrics and the admin API on port %d only", admin_port)
+    limits = ConnectionLimits(keep_alive_s=keep_alive_timeout, header_timeout_s=header_timeout,
+                              max_connections=max_connections)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
-                                           timeout_graceful_shutdown=shutdown_timeout))
+                                           timeout_graceful_shutdown=shutdown_timeout, http=protocol_class(limits),
+                                           timeout_keep_alive=int(keep_alive_timeout) or 1,
+                                           headers=[("keep-alive", f"timeout={int(keep_alive_timeout)}")]))
     # one server (one lifespan, one engine loop) on one or two listening sockets
     sockets = [_listen(host, p) for p in (port, admin_port) if p is not None]
     try:
