@@ -11,6 +11,7 @@ rolled back without a window).
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import math
 import time
@@ -19,12 +20,13 @@ from typing import Any, Callable, Mapping, MutableMapping
 
 from kvtune_engine.config import RESTART_KNOBS, EngineConfig
 from kvtune_engine.sim.profile import Profile
+from pydantic import ValidationError
 
 from . import conditions as c
 from .effective import (AutotunePlan, baseline_config, effective_engine, frozen_knobs, knob_bounds,
                         resolve_autotune, tuned_status)
-from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, Figures,
-                    InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningDecision,
+from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, EngineKnobs,
+                    Figures, InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningDecision,
                     TuningStatus, parse_duration, to_camel_dict)
 from .prometheus import (MAX_RESPONSE_BYTES, MetricsUnavailable, QueryFailed, bounded_get_json, check_allowed,
                          pod_host, pod_ips, read_window)
@@ -242,14 +244,32 @@ def parse_trial(annotations: dict[str, str] | None) -> dict[str, Any] | None:
     raw = (annotations or {}).get(TRY_ANNOTATION)
     if not raw:
         return None
+    what = (f"annotation {TRY_ANNOTATION} must be a JSON object of engine knobs "
+            f"({', '.join(sorted(KNOBS_BY_CAMEL))}) within the resource's limits")
     try:
+        if len(raw) > TRIED_MAX:
+            raise ValueError(f"{len(raw)} characters, more than {TRIED_MAX}")
         knobs = json.loads(raw)
         if not isinstance(knobs, dict):
             raise ValueError("not an object")
-        return {KNOBS_BY_CAMEL[k]: v for k, v in knobs.items()}
-    except (ValueError, KeyError) as e:
-        raise ValueError(f"annotation {TRY_ANNOTATION} must be a JSON object of engine knobs "
-                         f"({', '.join(sorted(KNOBS_BY_CAMEL))}): {e}") from None
+        trial = {KNOBS_BY_CAMEL[k]: v for k, v in knobs.items()}
+    except (ValueError, KeyError, RecursionError) as e:
+        raise ValueError(f"{what}: {e}") from None
+    try:  # each value as the resource takes it (types, the knob table's limits)
+        EngineKnobs.model_validate(knobs)
+    except ValidationError as e:
+        raise ValueError(f"{what}: " + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                                 for err in e.errors())) from None
+    return trial
+
+
+#: the longest kvtune.io/try value status.tuning.triedAnnotation holds; a longer one is kept as its digest
+TRIED_MAX = 4096
+
+
+def tried_key(raw: str) -> str:
+    """How status.tuning.triedAnnotation remembers a kvtune.io/try value (tried once, valid or not)."""
+    return raw if len(raw) <= TRIED_MAX else "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
 
 
 def _record(out: TickResult, tuning: dict[str, Any], history: list[dict[str, Any]], entry: dict[str, Any],
@@ -480,17 +500,20 @@ class TuningLoop:
             return TickResult(conditions=[c.Cond("MetricsAvailable", "False", e.reason, f"{e}.{waiting}")])
         trial, invalid = None, None
         raw = (infd.metadata.annotations or {}).get(TRY_ANNOTATION)
-        if raw and (tuning.tried_annotation if tuning else None) != raw:
+        if raw and (tuning.tried_annotation if tuning else None) != tried_key(raw):
             try:
                 trial = parse_trial({TRY_ANNOTATION: raw})
-            except ValueError as e:
-                invalid = EventSpec("Warning", "InvalidTrial", str(e))
+                effective_engine(infd.spec, status, plan.mode).config.with_changes(**trial)  # the engine's checks
+            except ValueError as e:  # answered once, with what is allowed; never a failing timer
+                why = str(e) if str(e).startswith("annotation") else \
+                    f"annotation {TRY_ANNOTATION}: the engine refuses these knobs: {e}"
+                trial, invalid = None, EventSpec("Warning", "InvalidTrial", why)
         scaling = bool(infd.spec.autotune and infd.spec.autotune.bounds and infd.spec.autotune.bounds.replicas)
         autoscaler = autoscaler_of(self.reconciler.kube.autoscalers(namespace), name) if scaling else None
         result = tick(infd.spec, status, plan, gathered, now, trial=trial, autoscaler=autoscaler)
         if result.scale is not None:  # the scale subresource, as an autoscaler would (spec.replicas)
             self.reconciler.kube.patch_infd_scale(namespace, name, result.scale)
         if invalid is not None or (trial is not None and result.applied):  # each value is tried once
-            result.status_update.setdefault("tuning", {})["triedAnnotation"] = raw
+            result.status_update.setdefault("tuning", {})["triedAnnotation"] = tried_key(raw)
         result.events[:0] = [invalid] if invalid else []
         return result

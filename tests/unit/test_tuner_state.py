@@ -278,3 +278,34 @@ def test_rollout_pending_reads_the_deployment_as_kubectl_rollout_status_does():
     assert rollout_pending(dep(availableReplicas=1), "new") == "1 of 2 new pods are available"
     leaving = {"metadata": {"name": "old", "deletionTimestamp": "2026-01-01T00:00:00Z"}}
     assert rollout_pending(dep(), "new", [{"metadata": {"name": "new"}}, leaving]) == "1 old pods are still terminating"
+
+
+def test_a_bad_try_annotation_is_answered_once_with_what_is_allowed(monkeypatch):
+    """A kvtune.io/try value that parses but the resource cannot take (blockSize 24, swap past its
+    maximum) used to fail the timer at every interval, silently: now one Warning event says what was
+    wrong and what is allowed, the value is recorded as tried, and the next rounds go on tuning."""
+    import kvtune_operator.tuning as tuning
+    kube = FakeKube()
+    kube.add_infd(SPEC, name="chat")
+    o = kube.infd("chat")
+    o["spec"] = json.loads(json.dumps(SPEC_DOC))
+    settings = Settings.from_env({})
+    cfg = effective_engine(obj().spec, None, AutotuneMode.APPLY).config
+    monkeypatch.setattr(tuning, "gather", lambda *a, **k: window(cfg, 0))
+    for bad, allowed in (('{"blockSize": 24}', "8, 16, 32, 64 or 128"),
+                         ('{"swapSpaceGiB": 1e308}', "less than or equal to 1024"),
+                         ('{"maxNumBatchedTokens": 8}', "smaller than one block")):
+        o["metadata"]["annotations"] = {TRY_ANNOTATION: bad}
+        o["status"] = {}
+        loop = TuningLoop(Reconciler(kube, settings), settings, clock=lambda: 1_000_000.0)
+        kube.events.clear()
+        loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), {})
+        (warning,) = [(t, m) for t, r, m in kube.events if r == "InvalidTrial"]
+        assert warning[0] == "Warning" and TRY_ANNOTATION in warning[1] and allowed in warning[1], warning
+        st = kube.infd("chat")["status"]
+        assert st["tuning"]["triedAnnotation"] == bad
+        assert (st["tuning"].get("pending") or {}).get("source", "Tuner") == "Tuner"  # the tuner's own, if any
+        loop.clock = lambda: 1_000_100.0                      # the next round: not parsed again
+        kube.events.clear()
+        loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), {})
+        assert not [r for _, r, _ in kube.events if r == "InvalidTrial"]
