@@ -124,6 +124,10 @@ def bounded_get_json(url: str, params: Mapping[str, Any] | None = None, *, heade
 def pod_host(address: str) -> str | None:
     """The host of a scrape address (``host:port`` or a URL), normalized as an IP (None: not an IP)."""
     try:
+        return str(ipaddress.ip_address(address))
+    except ValueError:
+        pass
+    try:
         host = urlsplit(address if "//" in address else f"http://{address}").hostname
         return str(ipaddress.ip_address(host or ""))
     except ValueError:
@@ -131,11 +135,9 @@ def pod_host(address: str) -> str | None:
 
 
 def pod_ips(pods: Iterable[Mapping[str, Any]]) -> set[str]:
-    """The IPs of these pods (from the API: status.podIP and status.podIPs), terminating ones left out."""
+    """The IPs of these pods, from the API (status.podIP and status.podIPs)."""
     out: set[str] = set()
     for p in pods:
-        if (p.get("metadata") or {}).get("deletionTimestamp"):
-            continue
         st = p.get("status") or {}
         for ip in [st.get("podIP"), *[x.get("ip") for x in st.get("podIPs") or []]]:
             if ip and pod_host(ip):
