@@ -8,9 +8,12 @@ tokens it has been given slots for (the scheduler keeps that at ceil(computed / 
 steps); a swapped request has a host table instead, never both.
 
 Prefix cache: the key of full block i of a prompt is sha256(key of block i-1 + token ids of block i)
-(32 bytes; block 0 chains from a fixed root, or from sha256(root + cache_salt) for a request with a
-``cache_salt``, so requests with different salts never share a block). A chained cryptographic hash is collision-safe: two
-blocks share a key only if they and every block before them hold the same tokens. Only full prompt
+(32 bytes). Block 0 chains from a root digest of its own domain: sha256 of a tag for unsalted
+requests, sha256 of another tag + the ``cache_salt`` for salted ones (``chain_root``). Both tags
+are longer than a digest, so a root equals no key of any chain (that would be a sha256 preimage),
+and a salted key never equals an unsalted one: a salt spelling a block's token bytes cannot line up
+with an unsalted chain. A chained cryptographic hash is collision-safe: two blocks share a key only
+if they and every block before them hold the same tokens, under the same salt. Only full prompt
 blocks are keyed, and a block is published only after the step that computed it (see `commit`), so
 a hit never reads a block that is still being written.
 """
@@ -22,8 +25,18 @@ from array import array
 from ..request import Request
 from .block_pool import BlockPool, NoFreeBlocks
 
-_ROOT = b"kvtune-prefix-root"
 _sha256 = hashlib.sha256
+#: domain tags of the chain roots (longer than a 32-byte digest: see the module docstring)
+_UNSALTED_TAG = b"kvtune prefix cache v2: unsalted chain\x00"
+_SALTED_TAG = b"kvtune prefix cache v2: salted chain\x00"
+_UNSALTED_ROOT = _sha256(_UNSALTED_TAG).digest()
+
+
+def chain_root(salt: str | None) -> bytes:
+    """The parent digest of block 0: one per salt, and the unsalted one apart from them all."""
+    if salt is None:
+        return _UNSALTED_ROOT
+    return _sha256(_SALTED_TAG + salt.encode("utf-8", "surrogatepass")).digest()
 
 
 def block_keys(token_ids: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
@@ -38,7 +51,7 @@ def block_keys(token_ids: list[int], block_size: int, salt: str | None = None) -
         data = array("q", token_ids).tobytes()
         step = 8 * block_size
     keys = []
-    parent = _ROOT if salt is None else _sha256(_ROOT + salt.encode("utf-8", "surrogatepass")).digest()
+    parent = chain_root(salt)
     for off in range(0, n * step, step):
         parent = _sha256(parent + data[off:off + step]).digest()
         keys.append(parent)
@@ -227,6 +240,7 @@ class KVManager:
         """Pool invariants, plus: every reference is a table entry; with `block_size_tokens`
         (request -> tokens it holds slots for), each table has exactly ceil(tokens / block_size)."""
         self.pool.check()
+        assert min(len(_SALTED_TAG), len(_UNSALTED_TAG)) > 32, "a chain root's tag must be longer than a key"
         refs = [0] * self.pool.num_blocks
         for table in self.tables.values():
             for b in table:

@@ -3,7 +3,9 @@
 Invariant owned here: an entry holds arrival time, prompt and output lengths and a shared-prefix
 group, nothing else; requests with different ``cache_salt`` values never share a group (they
 never share cache blocks either), so a replay in the simulator shares exactly what the engine
-could share. The trace is served behind the admin key only: shapes still describe other users.
+could share. ``prefix_tokens`` is rounded down to whole blocks: the cache shares whole blocks
+only, and a token-exact length would tell the admin key's holder how long another user's prompt
+matched theirs. The trace is served behind the admin key only: shapes still describe other users.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class TraceRecorder:
             return e
         group, prev_ids, first = hit
         self._groups.move_to_end(key)
-        n = _common_prefix(prev_ids, prompt_ids)
+        n = _common_prefix(prev_ids, prompt_ids) // bs * bs   # whole blocks only (module docstring)
         if not group:
             group = f"p{self._next_group}"
             self._next_group += 1
