@@ -458,6 +458,28 @@ def test_helm_install_and_least_privilege_rbac(controlplane, crd, tmp_path):
         assert can("list", "secrets", "-n", watched) == "no"
         assert can("delete", "secrets", "-n", watched) == "no"
         assert can("patch", "deployments", "-n", system) == "no"
+        # nothing outside the watched namespace: no Secret of kube-system (nor of any other namespace)
+        assert can("get", "secrets", "-n", "kube-system") == "no"
+        assert can("patch", "secrets", "-n", "kube-system") == "no"
+        assert can("list", "secrets", "--all-namespaces") == "no"
+        # the chart's defaults (no watchNamespaces) watch the release's own namespace: still no Secret of
+        # kube-system, no Deployment elsewhere; cluster-wide only as the explicit rbac.clusterWide
+        dflt = _make_namespace(controlplane, "kvtune-dflt")
+        try:
+            controlplane.helm("install", "kvd", str(ROOT / "charts" / "kvtune"), "-n", dflt, "--wait=false")
+            dsa = controlplane.kubectl_json("get", "serviceaccount", "-n", dflt, "-l",
+                                            "app.kubernetes.io/instance=kvd", "-o", "json")["items"][0]["metadata"]["name"]
+            dwho = f"system:serviceaccount:{dflt}:{dsa}"
+            dcan = lambda *a: controlplane.kubectl("auth", "can-i", *a, "--as", dwho, check=False).stdout.strip()  # noqa: E731
+            assert dcan("get", "secrets", "-n", "kube-system") == "no"
+            assert dcan("create", "secrets", "-n", "kube-system") == "no"
+            assert dcan("get", "secrets", "-n", watched) == "no" and dcan("patch", "deployments", "-n", watched) == "no"
+            assert dcan("patch", "deployments", "-n", dflt) == "yes"
+            assert not controlplane.kubectl_json("get", "clusterrolebindings", "-l", "app.kubernetes.io/instance=kvd",
+                                                 "-o", "json")["items"]
+        finally:
+            controlplane.helm("uninstall", "kvd", "-n", dflt, check=False)
+            controlplane.kubectl("delete", "namespace", dflt, "--wait=false", check=False)
         # a node directory as the model volume: the apiserver refuses it (allowHostPath is false)
         host_path = infd_yaml("hostpath", model={"path": "/models/m",
                                                  "volume": {"hostPath": {"path": "/etc"}, "mountPath": "/models"}})
