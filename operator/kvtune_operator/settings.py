@@ -56,6 +56,11 @@ class Settings(BaseModel):
         (), description="Namespaces every engine NetworkPolicy admits to the admin port, /metrics and the admin "
                         "API (the operator's, Prometheus').")
 
+    allow_loopback_engines: bool = Field(
+        False, description="Count engine addresses on 127.0.0.1 as the resource's own pods (the admin key goes "
+                           "there). Only for test harnesses that run engine pods as local processes; never "
+                           "needed in a cluster, where the key goes only to the pod IPs the API lists.")
+
     @field_validator("namespaces", "network_allow_namespaces", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
