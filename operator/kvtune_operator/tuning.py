@@ -326,6 +326,14 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     out.conditions.append(c.Cond("MetricsAvailable", "True", "WindowRead",
                                  f"{int(gathered.window_s)}s of engine metrics and {traced}"))
     stale = knob_changes(obs.config, current)
+    refused = _refused_live(obs, current, stale)
+    if refused:  # the engines will never run it live: waiting in Applying would wedge the loop
+        if state_from_status(status.tuning if status else None).phase == "Verifying":
+            return roll_back_failed_rollout(spec, status, plan, refused, now, what="the engines refused the change")
+        tuning.update(mode=mode.value, phase="Applying", message=f"the engines cannot run it without a restart: {refused}")
+        out.status_update = {"tuning": TuningStatus.checked(tuning)}
+        out.conditions.append(c.Cond("Tuned", "False", "NeedsRestart", tuning["message"]))
+        return out
     if stale:  # a change is still rolling out: a window of the old knobs would judge the wrong config
         tuning.update(mode=mode.value, phase="Applying",
                       message=f"waiting for the engines to run {_camel(stale)}")
@@ -394,20 +402,20 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
 
 
 def roll_back_failed_rollout(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus, plan: AutotunePlan,
-                             failure: str, now: float) -> TickResult:
-    """The pending restart change's pods never came up: restore the knobs that ran before it (the old
-    pods still serve: maxUnavailable 0), bar the candidate, and say why in the engine's own words.
-    No window is judged: the change never ran."""
+                             failure: str, now: float, *, what: str = "the new engine pods did not start") -> TickResult:
+    """The pending restart change's pods never came up (or, ``what``, the engines refused a live
+    change): restore the knobs that ran before it (the old pods still serve: maxUnavailable 0), bar
+    the candidate, and say why in the engine's own words. No window is judged: the change never ran."""
     out = TickResult()
     objectives = tuner_settings(spec, plan).objectives
     state = state_from_status(status.tuning)
     current = effective_engine(spec, status, plan.mode).config
-    restored = state.fail(now, f"the new engine pods did not start: {failure}", objectives)
+    restored = state.fail(now, f"{what}: {failure}", objectives)
     undo = knob_changes(current, restored)
     old_tuning = status.tuning.dump() if status.tuning else {}
     tuning = dict(old_tuning)
     history = list(tuning.get("history") or [])
-    message = (f"the new engine pods did not start: {failure}; rolled back to "
+    message = (f"{what}: {failure}; rolled back to "
                f"{_camel({k: getattr(restored, k) for k in undo})}, the candidate is barred")
     _record(out, tuning, history, _decision(
         now, "RollBack", message, cause=status.diagnosis.cause if status.diagnosis else None,
@@ -421,6 +429,20 @@ def roll_back_failed_rollout(spec: InferenceDeploymentSpec, status: InferenceDep
     out.status_update["tuning"] = _replacing(old_tuning, TuningStatus.checked(tuning))
     out.conditions.append(c.Cond("Tuned", "False", "RolledBack", message))
     return out
+
+
+def _refused_live(obs: Observation, current: EngineConfig, stale: dict[str, Any]) -> str | None:
+    """Why the engines will not run ``current``'s live knobs (a raise past the step their start-up
+    memory profile covered: they keep it pending a restart), or None."""
+    p = getattr(obs, "activation_profile", None)
+    if not stale or p is None or RESTART_KNOBS & stale.keys():
+        return None
+    over = p.exceeded(current.max_num_batched_tokens, current.max_num_seqs)
+    if not over:
+        return None
+    return ("; ".join(f"{k} {want} is past the {most} the engine's start-up memory profile covered"
+                      for k, (most, want) in sorted(over.items()))
+            + " (a bigger step may not fit in device memory; it takes a restart)")
 
 
 def _since_last_change(status: InferenceDeploymentStatus | None, now: float) -> float | None:

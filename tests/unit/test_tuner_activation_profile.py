@@ -41,3 +41,47 @@ def test_a_sequence_cap_is_not_raised_live_past_the_profile():
     d = r.decision
     if d.action == "change" and not RESTART_KNOBS & d.changes.keys():
         assert not bound.activation_profile.exceeded(d.config.max_num_batched_tokens, d.config.max_num_seqs), d.changes
+
+
+# ------------------------------------------------------------------ the operator's tick (tuning.tick)
+
+def _profiled(g, seqs: int = 64):
+    from kvtune_operator.tuning import Gathered
+    obs = g.observation
+    return Gathered(obs.with_(activation_profile=ActivationProfile.of(obs.config.max_num_batched_tokens, seqs)),
+                    g.trace, g.window_s)
+
+
+def test_tick_rolls_back_a_live_change_the_engines_refuse_instead_of_waiting_for_it():
+    """A pending live raise the engines keep pending a restart (a tuner change made before the
+    engine told its profile) would leave the tick in Applying forever: it is rolled back, barred."""
+    from test_operator_tuning import PROFILE as P, infd, plan_of, window
+
+    from kvtune_operator.effective import effective_engine
+    from kvtune_operator.model import AutotuneMode
+    from kvtune_operator.tuning import tick
+    obj = infd("Apply")
+    plan = plan_of(obj)
+    g = window(effective_engine(obj.spec, None, AutotuneMode.APPLY).config)
+    first = tick(obj.spec, obj.status, plan, g, now=1_000_000.0, base_profile=P)   # no profile told
+    assert first.status_update["engine"]["maxNumSeqs"] > 64
+    after = infd("Apply", {k: first.status_update[k] for k in ("engine", "baseline", "tuning")})
+    res = tick(after.spec, after.status, plan, _profiled(g), now=1_000_200.0, base_profile=P)  # still 64
+    t = res.status_update["tuning"]
+    assert t["phase"] == "RolledBack" and "refused" in t["message"] and "restart" in t["message"]
+    assert res.status_update["engine"]["maxNumSeqs"] == 64
+    # told the profile from the start, the tuner does not raise the cap live at all
+    again = tick(obj.spec, obj.status, plan, _profiled(g), now=1_000_000.0, base_profile=P)
+    assert again.status_update.get("engine", {}).get("maxNumSeqs", 64) <= 64
+
+
+def test_tick_says_a_spec_raise_past_the_profile_needs_a_restart():
+    from test_operator_tuning import PROFILE as P, infd, plan_of, window
+
+    from kvtune_operator.tuning import tick
+    obj = infd("Apply", status={"engine": {"maxNumSeqs": 128}, "baseline": {"maxNumSeqs": 64}})
+    g = window(EngineConfig(max_num_seqs=64, gpu_memory_utilization=0.9, max_model_len=8192))
+    res = tick(obj.spec, obj.status, plan_of(obj), _profiled(g), now=1_000_000.0, base_profile=P)
+    t = res.status_update["tuning"]
+    assert t["phase"] == "Applying" and "without a restart" in t["message"] and "max_num_seqs 128" in t["message"]
+    assert {c.type: c.reason for c in res.conditions}["Tuned"] == "NeedsRestart"
