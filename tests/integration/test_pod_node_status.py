@@ -162,10 +162,10 @@ def test_a_deleted_pod_leaves_the_service_at_once_and_serves_through_its_prestop
     with pod_node.restricted_to(namespace):
         (old,) = pod_node.wait_for_selector(namespace, labels, timeout=60)
         eventually(lambda: pod_node.urls_for_selector(namespace, labels) == [old.url], timeout=20, what="Ready")
+        deleted = time.monotonic()
         controlplane.kubectl("delete", "pod", old.name, "-n", namespace, "--wait=false")
         eventually(lambda: old.url not in pod_node.urls_for_selector(namespace, labels), timeout=20, interval=0.05,
                    what="the deleted pod to leave the Service")
-        left = time.monotonic()
         shown_terminating = 0
         while True:
             # read before the process answers: an answer after it means it ran when the API was read
@@ -177,8 +177,10 @@ def test_a_deleted_pod_leaves_the_service_at_once_and_serves_through_its_prestop
             assert api.returncode == 0, f"the pod left the API while its process still served: {api.stderr}"
             shown_terminating += bool(json.loads(api.stdout)["metadata"].get("deletionTimestamp"))
             time.sleep(0.05)
-        served_s = time.monotonic() - left
-        assert 2.5 <= served_s <= 8, served_s
+        served_s = time.monotonic() - deleted
+        # the preStop sleep is a clock (3 s from the deletion at the earliest), and the grace period
+        # (10 s) bounds the whole stop: whatever the machine's speed
+        assert 3 - 0.1 <= served_s <= 10 + 5, served_s
         assert shown_terminating > 0
         eventually(lambda: pod_node.get(namespace, old.name) is None, timeout=20, what="the process to stop")
         eventually(lambda: controlplane.kubectl("get", "pod", old.name, "-n", namespace, check=False).returncode != 0,

@@ -1,17 +1,15 @@
-"""Our engine's vllm: series against a real vLLM 0.32's /metrics text (shared/reference): a dashboard,
+"""Our engine's vllm: series against a real vLLM 0.32's /metrics text (tests/vllm/reference): a dashboard,
 an autoscaler or the inference gateway's endpoint picker reading vLLM's names finds the same name,
 type and label names on our engine."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 from conftest_engine import build_engine, tiny_llama  # noqa: F401  (fixture)
 from prometheus_client.parser import text_string_to_metric_families
+from tests.vllm.capture_metrics import REFERENCE_METRICS
 
-REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "vllm-0.32-cpu-metrics.txt"
-if not REFERENCE.exists():
-    REFERENCE = Path("/work/shared/reference/vllm-0.32-cpu-metrics.txt")
+REFERENCE = REFERENCE_METRICS  # captured from the real vLLM the tests run (tests/vllm/capture_metrics.py)
 
 #: the vLLM series whose concepts our engine shares (issue 9); each must be exported
 SHARED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_waiting_by_reason",

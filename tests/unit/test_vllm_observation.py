@@ -1,10 +1,9 @@
-"""Reading vLLM's /metrics: the real text of a vLLM 0.32 server (shared/reference) and the rules that
+"""Reading vLLM's /metrics: the real text of a vLLM 0.32 server (tests/vllm/reference) and the rules that
 put a capacity wait down to a limit."""
 from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 from kvtune_operator.tuner.observation import MetricFigures
 from kvtune_operator.tuner.synth_trace import synthesize_trace
@@ -12,10 +11,9 @@ from kvtune_operator.tuner_cli import read_engine
 from kvtune_operator.tuner.vllm_observation import (GaugeSample, VllmAssumptions, classify, in_system, is_vllm, read_vllm,
                                                     samples_of_scrapes)
 from local_http import serving
+from tests.vllm.capture_metrics import REFERENCE_METRICS
 
-REFERENCE = Path(__file__).resolve().parents[3] / "shared" / "reference" / "vllm-0.32-cpu-metrics.txt"
-if not REFERENCE.exists():
-    REFERENCE = Path("/work/shared/reference/vllm-0.32-cpu-metrics.txt")
+REFERENCE = REFERENCE_METRICS  # captured from the real vLLM the tests run (tests/vllm/capture_metrics.py)
 
 
 def test_real_vllm_text_reads_its_cache_config_and_says_what_it_assumed():

@@ -16,7 +16,7 @@ Interface (stable; tests/ and bench/ rely on it)::
 is missing; tests call it so that a missing vLLM FAILS them, never skips them. ``VLLM_VENV``
 overrides the venv location (default ``.venv-vllm/`` at the repo root).
 
-Why the environment below (shared/notes/vllm-cpu.md): vLLM's caches (torch.compile, triton, HF,
+Why the environment below: vLLM's caches (torch.compile, triton, HF,
 its ZMQ socket files) go under ``run_dir`` instead of $HOME and /tmp; ``HF_HUB_OFFLINE=1`` and
 ``VLLM_NO_USAGE_STATS=1`` keep it off the network; ``VLLM_CPU_KVCACHE_SPACE`` sizes the KV cache
 (whole GiB; a fractional ``kv_cache_gib`` goes as ``--kv-cache-memory-bytes``) and ``VLLM_CPU_OMP_THREADS_BIND=0-1`` gives the model both cores. Models need head_dim >= 32

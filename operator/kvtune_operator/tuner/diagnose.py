@@ -2,7 +2,7 @@
 
 A pure function: ``diagnose(obs) -> Diagnosis(cause, figures, message, knob, suggestion)``.
 
-Causes (the six scenarios of ``shared/reference/README.md``, plus two outcomes):
+Causes (the six scenarios users report, plus two outcomes):
 
 =====================  ======================================================  =========================
 cause                  what the window shows                                   knob it names
