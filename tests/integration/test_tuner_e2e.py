@@ -356,6 +356,8 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
 # -- too little KV memory: a restart change rolls the Deployment -------------------------------------
 
 def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_node, tune_ns, tuning_operator, model):
+    """Time (~1.5 min): two engine starts, a window before the change, the rollout, and a whole window
+    of the new pod alone before the verdict."""
     ns, name, op = tune_ns, "lowmem", tuning_operator
     t0 = time.monotonic()
     # the stand-in device: 10% of it holds the weights and LOW_BLOCKS KV blocks (and half a block)

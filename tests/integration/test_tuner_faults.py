@@ -21,6 +21,9 @@ One InferenceDeployment goes through four faults, one after the other:
 4. **The apiserver stalls for a minute** (SIGSTOP) just after a candidate is asked for: the operator
    lives through it, and once the apiserver answers again the candidate is applied and judged once,
    with one event each (a decision whose status could not be written is not announced).
+
+Time (~4 min): the four faults run one after the other on one engine, each judged on whole windows
+before and after it; the crash loop waits out the back-off and the apiserver stall lasts a minute.
 """
 from __future__ import annotations
 

@@ -9,6 +9,10 @@ histograms (said so in status), and changes nothing (Recommend). Switched to App
 load, it makes the change: the Deployment rolls, a new vLLM process serves with the higher cap while
 the old one serves until it is ready (no request fails), and the change is verified on the new pod's
 window and kept. A missing vLLM fails the test.
+
+Time (~5 min on two cores, the suite's longest): two vLLM start-ups (about a minute each), a
+Recommend window, the rollout with the old pod's preStop and drain, then a whole window of the new
+pod alone before the verdict.
 """
 from __future__ import annotations
 

@@ -13,6 +13,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_demo_fixes_the_sequence_cap_live_then_low_memory_by_a_restart(tmp_path):
+    """The whole `kvtune demo` as a user runs it. Time (~1.5 min): the calibration burst, then two
+    mis-tunings each diagnosed and verified on whole windows, the second through an engine restart."""
     out = tmp_path / "demo"
     res = subprocess.run([sys.executable, "-c", "from kvtune_operator.cli import main; main()", "demo",
                           "--out", str(out)], capture_output=True, text=True, timeout=400)

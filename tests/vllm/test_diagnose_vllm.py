@@ -65,7 +65,8 @@ def wait_for_queue(srv: VllmServer, timeout_s: float = 120.0) -> None:
 def test_sequence_cap_on_real_vllm(model_dir, tmp_path):
     """max_num_seqs 2 and 8 clients sending back to back, KV nearly empty: SequenceCap, a higher cap
     suggested. The clients go on until both diagnoses are done (the one-scrape one taken mid-window), so
-    the queue lasts however late a busy vLLM answers /metrics (on CI an 8 s window took ~40 s)."""
+    the queue lasts however late a busy vLLM answers /metrics (on CI an 8 s window took ~40 s).
+    Time (~1.5 min): vLLM's start-up on two cores (about a minute) and the window."""
     with VllmServer(model_dir, tmp_path, kv_cache_gib=1, args=["--max-num-seqs", "2", "--max-model-len", "1024"]) as srv:
         with ClosedLoop(srv.url, str(model_dir), clients=8, prompt_tokens=48, output_tokens=160) as load:
             wait_for_queue(srv)
@@ -89,7 +90,7 @@ def test_sequence_cap_on_real_vllm(model_dir, tmp_path):
 def test_too_little_kv_memory_on_real_vllm(model_dir, tmp_path):
     """A 2 MiB KV cache (about 15 blocks of 128 tokens) and requests that grow to 3 blocks each, 16 at a
     time from 24 clients sending back to back until the window is judged: vLLM preempts; diagnose names
-    LowKVMemory with the preemptions and the cache size."""
+    LowKVMemory with the preemptions and the cache size. Time (~1.5 min): vLLM's start-up and the window."""
     args = ["--max-num-seqs", "16", "--max-model-len", "1024", "--block-size", "128"]
     with VllmServer(model_dir, tmp_path, kv_cache_gib=2 / 1024, args=args) as srv:
         with ClosedLoop(srv.url, str(model_dir), clients=24, prompt_tokens=100, output_tokens=250) as load:
