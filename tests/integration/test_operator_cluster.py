@@ -429,6 +429,117 @@ def test_delete_removes_children(controlplane, operator, opns):
                                                         "-o", "json")["items"] == [], what="pods to go")
 
 
+# -- in a shared cluster (issue 23): adopt nothing, policy before pods, the admin key -------------------
+
+def events_of(controlplane, ns: str, name: str, reason: str) -> list[dict]:
+    return controlplane.kubectl_json("get", "events", "-n", ns, "--field-selector",
+                                     f"involvedObject.name={name},involvedObject.kind=InferenceDeployment,"
+                                     f"reason={reason}", "-o", "json")["items"]
+
+
+def test_a_users_objects_of_its_names_are_never_adopted(controlplane, operator, opns):
+    """A NetworkPolicy and a ConfigMap of the user's under the names an InferenceDeployment "mine"
+    takes: the operator leaves both alone, runs no engine pods, says why, and deleting the
+    InferenceDeployment deletes neither."""
+    controlplane.kubectl("apply", "-n", opns, "-f", "-", input=yaml.safe_dump_all([
+        {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "mine"},
+         "spec": {"podSelector": {"matchLabels": {"app": "db"}}, "policyTypes": ["Ingress"]}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "mine-engine"}, "data": {"owner": "me"}}]))
+    theirs = {k: get(controlplane, k, n, opns) for k, n in (("networkpolicy", "mine"), ("configmap", "mine-engine"))}
+    controlplane.kubectl("apply", "-n", opns, "-f", "-", input=infd_yaml("mine"))
+
+    def refused():
+        c = condition(get(controlplane, "infd", "mine", opns), "Degraded")
+        return c if c.get("reason") == "ChildNotOwned" else None
+    deg = eventually(refused, timeout=60, what="Degraded ChildNotOwned")
+    assert deg["status"] == "True" and "NetworkPolicy mine" in deg["message"] and "ConfigMap mine-engine" in deg["message"]
+    warnings = eventually(lambda: events_of(controlplane, opns, "mine", "ChildNotOwned"), what="a ChildNotOwned event")
+    assert warnings[0]["type"] == "Warning" and "NetworkPolicy mine" in warnings[0]["message"]
+    time.sleep(3)  # a few refreshes (1 s apart): still nothing written, no engine pods
+    for kind, obj in theirs.items():
+        now = controlplane.kubectl_json("get", kind, obj["metadata"]["name"], "-n", opns, "-o", "json",
+                                        "--show-managed-fields")
+        assert now["metadata"]["resourceVersion"] == obj["metadata"]["resourceVersion"], kind
+        assert "ownerReferences" not in now["metadata"], kind
+        assert not [m for m in now["metadata"].get("managedFields") or [] if m["manager"] == "kvtune-operator"]
+    assert controlplane.kubectl("get", "deployment", "mine", "-n", opns, check=False).returncode != 0
+    assert condition(get(controlplane, "infd", "mine", opns), "Ready")["status"] == "False"
+    assert len(events_of(controlplane, opns, "mine", "ChildNotOwned")) == 1  # told once, not every refresh
+
+    controlplane.kubectl("delete", "infd", "mine", "-n", opns, "--wait=true", "--timeout=60s")
+    time.sleep(2)  # the garbage collector had its chance
+    for kind, obj in theirs.items():
+        assert get(controlplane, kind, obj["metadata"]["name"], opns)["metadata"]["uid"] == obj["metadata"]["uid"]
+
+
+def test_the_network_policy_is_in_place_before_the_engine_pods(controlplane, crd, tmp_path):
+    """ResourceQuotas that refuse NetworkPolicies and Services: no Deployment, a condition says why.
+    NetworkPolicies allowed again: the policy and then the Deployment are there, only the Service
+    is missing (before, the first refused apply stopped the rest, after the Deployment: a quota on
+    Services left the engine pods running without their NetworkPolicy)."""
+    ns = _make_namespace(controlplane, "op-quota")
+    op = OperatorProcess(controlplane.subprocess_env(), [ns], tmp_path / "operator.log").start()
+
+    def quota(name: str, resource: str) -> None:
+        controlplane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump({
+            "apiVersion": "v1", "kind": "ResourceQuota", "metadata": {"name": name},
+            "spec": {"hard": {resource: "0"}}}))
+        eventually(lambda: (get(controlplane, "resourcequota", name, ns).get("status") or {}).get("hard"),
+                   what=f"quota {name} to be enforced")
+    try:
+        quota("no-policies", "count/networkpolicies.networking.k8s.io")
+        quota("no-services", "services")
+        controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd_yaml("fenced"))
+
+        def held_back():
+            c = condition(get(controlplane, "infd", "fenced", ns), "Degraded")
+            return c if c.get("reason") == "ApplyFailed" and "NetworkPolicy fenced" in c.get("message", "") else None
+        deg = eventually(held_back, timeout=60, what="Degraded: the NetworkPolicy refused")
+        assert "Deployment fenced not applied" in deg["message"], deg
+        time.sleep(3)  # retries and refreshes: still no engine pods without their policy
+        assert controlplane.kubectl("get", "deployment", "fenced", "-n", ns, check=False).returncode != 0
+
+        controlplane.kubectl("delete", "resourcequota", "no-policies", "-n", ns)
+        dep = eventually(lambda: get(controlplane, "deployment", "fenced", ns), timeout=60,
+                         what="the Deployment once its NetworkPolicy can exist")
+        np = get(controlplane, "networkpolicy", "fenced", ns)
+        assert np["metadata"]["ownerReferences"][0]["name"] == "fenced"
+        assert np["spec"]["podSelector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+        assert controlplane.kubectl("get", "service", "fenced", "-n", ns, check=False).returncode != 0
+        eventually(lambda: "Service fenced" in condition(get(controlplane, "infd", "fenced", ns), "Degraded")
+                   .get("message", ""), what="Degraded to name the refused Service")
+    finally:
+        op.stop()
+        controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_deleted_admin_key_secret_brings_pods_and_operator_to_one_key(controlplane, operator, opns, pod_node):
+    """The engine reads its admin key from the Secret when it starts. Delete the Secret: the operator
+    makes a new key, and the running pods are replaced by pods that hold it (before, they kept the
+    old key until something restarted them, and the operator's admin reads were refused)."""
+    controlplane.kubectl("apply", "-n", opns, "-f", "-", input=infd_yaml("keyed"))
+    wait_ready(controlplane, "keyed", opns, operator)
+    old_key = admin_key(controlplane, opns, "keyed")
+
+    def pod_keys() -> set[str] | None:
+        """The admin key each Ready engine process of "keyed" runs with (None while a rollout is on)."""
+        pods = controlplane.kubectl_json("get", "pods", "-n", opns, "-l", SELECTOR.format("keyed"), "-o", "json")["items"]
+        if len(pods) != 1 or pods[0]["metadata"].get("deletionTimestamp"):
+            return None
+        local = pod_node.get(opns, pods[0]["metadata"]["name"])
+        return {local.env.get("KVTUNE_ADMIN_KEY")} if local is not None and local.ready else None
+    assert eventually(pod_keys, what="the engine pod") == {old_key}
+
+    controlplane.kubectl("delete", "secret", "keyed-admin-key", "-n", opns)
+    new_key = eventually(lambda: (k := admin_key(controlplane, opns, "keyed")) != old_key and k,
+                         timeout=30, what="a new admin key")
+    eventually(lambda: pod_keys() == {new_key}, timeout=90,
+               what="the engine pods to run with the new admin key")
+    wait_ready(controlplane, "keyed", opns, operator)
+    assert admin_key(controlplane, opns, "keyed") == new_key  # stable: not regenerated again
+    assert events_of(controlplane, opns, "keyed", "AdminKeyRecreated")
+
+
 # -- the chart, and its RBAC being enough -------------------------------------------------------------
 
 def test_helm_install_and_least_privilege_rbac(controlplane, crd, tmp_path):
