@@ -149,3 +149,25 @@ class OpenLoopLoad:
         finally:
             with self._lock:
                 self._in_flight -= 1
+
+
+def served_rate(url: Callable[[], str | None], model: str, *, requests: int, prompt_tokens: int,
+                output_tokens: int, vocab: int, seed: int = 0, timeout_s: float = 120.0) -> float:
+    """Requests per second the engine at ``url()`` serves as it is configured: ``requests`` of this shape
+    sent at once, divided by the seconds until the last one finished. A test that needs a load which
+    outruns a config (a queue that grows) sizes its rate from this, not from a constant of one machine."""
+    base = url()
+    if not base or urlsplit(base).hostname != "127.0.0.1":
+        raise ValueError(f"served_rate measures an engine on 127.0.0.1, not {base}")
+    rng = random.Random(seed)
+    bodies = [{"model": model, "prompt": [rng.randrange(16, vocab) for _ in range(prompt_tokens)],
+               "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0.0} for _ in range(requests)]
+    with httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=requests)) as client, \
+            ThreadPoolExecutor(requests) as pool:
+        began = time.monotonic()
+        answers = list(pool.map(lambda b: client.post(f"{base}/v1/completions", json=b), bodies))
+        took = time.monotonic() - began
+    bad = [r for r in answers if r.status_code != 200]
+    if bad:
+        raise RuntimeError(f"a measuring request failed: {bad[0].status_code} {bad[0].text[:200]}")
+    return requests / took

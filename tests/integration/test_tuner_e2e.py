@@ -46,7 +46,7 @@ import httpx
 import pytest
 import yaml
 
-from .e2e_load import OpenLoopLoad
+from .e2e_load import OpenLoopLoad, served_rate
 from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
     SELECTOR, OperatorProcess, _make_namespace, admin_key, condition, crd, eventually, get,
 )
@@ -242,14 +242,17 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
     gen, template, pod_name = dep["metadata"]["generation"], dep["spec"]["template"], local.name
     rs_before = replica_sets(controlplane, ns, name)
 
-    # 8 requests/s of 32 + 48 tokens: two sequences at a time cannot keep up (a decode step of two
-    # costs ~9 ms, so two sequences serve ~4 requests/s), the queue grows. At most 32 in flight: the
+    # Twice what two sequences serve, measured here first (~4 requests/s of 32 + 48 tokens on two quiet
+    # Zen 3 cores: 8/s; a faster machine gets more, a slower one less): the queue grows. At most 32 in flight: the
     # backlog a raised cap has to drain before the next window's requests meet the 1 s TTFT stays
     # small next to the window, even on a machine whose speed the cost fit catches at its worst
     # (each further sequence costs ~1 ms more per step here, the 120k-token vocabulary's head: a
     # fit from two sequences only cannot see that, and a busy machine has made it predict 50 ms
     # steps at 32, i.e. ~13 requests/s)
-    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=8.0, prompt_tokens=32, output_tokens=48,
+    served = served_rate(url_of(pod_node, ns, name), "tiny", requests=8, prompt_tokens=32, output_tokens=48,
+                         vocab=VOCAB)
+    log(f"seqcap: two sequences serve {served:.1f} requests/s here: the load sends {2 * served:.1f}/s")
+    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=2 * served, prompt_tokens=32, output_tokens=48,
                         vocab=VOCAB, max_requests=1500, max_seconds=240, max_in_flight=32, seed=1)
     with load:
         # 1. the diagnosis and a live change of maxNumSeqs

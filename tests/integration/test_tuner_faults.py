@@ -31,7 +31,7 @@ import time
 
 import pytest
 
-from .e2e_load import OpenLoopLoad
+from .e2e_load import OpenLoopLoad, served_rate
 from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
     OperatorProcess, _make_namespace, admin_key, condition, crd, eventually, get,
 )
@@ -89,10 +89,14 @@ def test_operator_kill_prometheus_outage_a_rollout_that_cannot_start_and_an_apis
         local = start_engine(controlplane, pod_node, ns, name)
         key = admin_key(controlplane, ns, name)
         log(f"faults: engine listening after {time.monotonic() - t0:.0f}s")
-        # 5 requests/s of 32 + 96 tokens: more than 2 sequences serve, and little enough that 32 drain the
-        # backlog before the forced candidate (at 7/s a machine at half this one's usual speed was still
+        # twice what 2 sequences serve, measured here first (~2.5 requests/s of 32 + 96 tokens on two quiet
+        # Zen 3 cores: 5/s): more than 2 sequences serve, and little enough that 32 drain the backlog
+        # before the forced candidate (at 7/s a machine at half this one's usual speed was still
         # draining it at 32: goodput 0 before the candidate, 0.1 req/s under it, and a Keep)
-        load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=5.0, prompt_tokens=32, output_tokens=96,
+        served = served_rate(url_of(pod_node, ns, name), "tiny", requests=6, prompt_tokens=32, output_tokens=96,
+                             vocab=VOCAB)
+        log(f"faults: two sequences serve {served:.1f} requests/s here: the load sends {2 * served:.1f}/s")
+        load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=2 * served, prompt_tokens=32, output_tokens=96,
                             vocab=VOCAB, max_requests=4800, max_seconds=660, max_in_flight=96, seed=3)
         with load:
             # -- 1. SIGKILL while verifying -----------------------------------------------------------
