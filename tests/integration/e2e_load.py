@@ -15,21 +15,12 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Callable
 from urllib.parse import urlsplit
 
 import httpx
 
-
-@dataclass
-class LoadStats:
-    sent: int = 0
-    ok: int = 0
-    failed: int = 0
-    retried: int = 0
-    dropped: int = 0          # not sent: the in-flight bound was reached
-    errors: list[str] = field(default_factory=list)
+from kvtune_operator.demo.load import LoadStats, completion_body, measure_tokens_per_s
 
 
 class OpenLoopLoad:
@@ -97,8 +88,7 @@ class OpenLoopLoad:
                 else:
                     self._in_flight += 1
                     self.stats.sent += 1
-                    body = {"model": self.model, "prompt": [self._rng.randrange(16, self.vocab) for _ in range(p)],
-                            "max_tokens": o, "ignore_eos": True, "temperature": 0.0}
+                    body = completion_body(self.model, [self._rng.randrange(16, self.vocab) for _ in range(p)], o)
             if body is not None:
                 self._pool.submit(self._send, body)
             nxt += 1.0 / rate
@@ -152,22 +142,12 @@ class OpenLoopLoad:
 
 
 def served_rate(url: Callable[[], str | None], model: str, *, requests: int, prompt_tokens: int,
-                output_tokens: int, vocab: int, seed: int = 0, timeout_s: float = 120.0) -> float:
-    """Requests per second the engine at ``url()`` serves as it is configured: ``requests`` of this shape
-    sent at once, divided by the seconds until the last one finished. A test that needs a load which
-    outruns a config (a queue that grows) sizes its rate from this, not from a constant of one machine."""
+                output_tokens: int, vocab: int, seed: int = 0) -> float:
+    """Requests per second the engine at ``url()`` serves as it is configured, ``requests`` of this shape
+    sent at once (the demo's calibration): a test that needs a load which outruns a config (a queue
+    that grows) sizes its rate from this, not from a constant of one machine."""
     base = url()
     if not base or urlsplit(base).hostname != "127.0.0.1":
         raise ValueError(f"served_rate measures an engine on 127.0.0.1, not {base}")
-    rng = random.Random(seed)
-    bodies = [{"model": model, "prompt": [rng.randrange(16, vocab) for _ in range(prompt_tokens)],
-               "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0.0} for _ in range(requests)]
-    with httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=requests)) as client, \
-            ThreadPoolExecutor(requests) as pool:
-        began = time.monotonic()
-        answers = list(pool.map(lambda b: client.post(f"{base}/v1/completions", json=b), bodies))
-        took = time.monotonic() - began
-    bad = [r for r in answers if r.status_code != 200]
-    if bad:
-        raise RuntimeError(f"a measuring request failed: {bad[0].status_code} {bad[0].text[:200]}")
-    return requests / took
+    return measure_tokens_per_s(base, model=model, vocab=vocab, requests=requests, prompt_tokens=prompt_tokens,
+                                output_tokens=output_tokens, seed=seed) / output_tokens

@@ -29,6 +29,7 @@ class LoadStats:
     ok: int = 0
     failed: int = 0
     retried: int = 0
+    dropped: int = 0  # not sent: the in-flight bound was reached (the tests' open-loop load)
     ttft: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
 
