@@ -207,7 +207,7 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     finally:
         for sock in sockets:
             sock.close()
-    err = app.state.async_engine.error
+    err = app.state.ctx.async_engine.error
     if err is not None:
         click.echo(f"Error: the engine loop failed: {type(err).__name__}: {err}", err=True)
         sys.exit(1)
