@@ -1,4 +1,5 @@
-"""The engine's knobs: one pydantic model shared by the engine, the simulator, the CLI and the operator.
+"""The engine's knobs: one pydantic model shared by the engine, the simulator, the CLI and the operator,
+made from the knob table (`knobs.TABLE`: the fields, their defaults, docs and limits).
 
 Field names are vLLM's flag names with dashes turned into underscores (`--max-num-seqs` ->
 `max_num_seqs`), so `EngineConfig.model_validate(vllm_style_dict)` and CLI flags line up one to one.
@@ -6,11 +7,11 @@ Torch-free: the operator imports it inside a slim image.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from .knobs import BLOCK_SIZES, LIVE_KNOBS, RESTART_KNOBS, TABLE
+from .knobs import BLOCK_SIZES, LIVE_KNOBS, RESTART_KNOBS, TABLE, Knob, check
 
 __all__ = ["BLOCK_SIZES", "LIVE_KNOBS", "RESTART_KNOBS", "ConfigError", "EngineConfig", "check_knobs",
            "format_validation_error"]
@@ -20,31 +21,16 @@ class ConfigError(ValueError):
     """A knob value that is not allowed; the message says what was wrong and what is allowed."""
 
 
-class EngineConfig(BaseModel):
-    """KV-cache and scheduling knobs of the engine (vLLM's names and meanings)."""
+class _Config(BaseModel):
+    """KV-cache and scheduling knobs of the engine (vLLM's names and meanings); the fields are the
+    knob table's (`config_model`)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
-
-    block_size: int = Field(16, description="Token slots per KV block; one of 8, 16, 32, 64, 128.")
-    gpu_memory_utilization: float = Field(
-        0.90, gt=0.0, le=1.0,
-        description="Fraction of device memory the engine may use (weights + activations + KV cache).")
-    swap_space: float = Field(4.0, ge=0.0, description="CPU swap pool for preempted requests, GiB.")
-    kv_cache_memory: float | None = Field(
-        None, gt=0.0,
-        description="KV cache size in GiB, bypassing memory profiling (CPU runs, tests).")
-    max_num_seqs: int = Field(256, ge=1, description="Most sequences running in one step.")
-    max_num_batched_tokens: int = Field(
-        8192, ge=1, description="Token budget of one step: prefill chunks plus one token per decode.")
-    max_model_len: int = Field(8192, ge=2, description="Longest prompt + output, in tokens.")
-    watermark: float = Field(
-        0.01, ge=0.0, lt=1.0,
-        description="Fraction of all blocks kept free when admitting new requests (decode headroom).")
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
-    enable_chunked_prefill: bool = Field(True, description="Split long prompts across steps.")
+    #: the knob table the fields were made from
+    TABLE: ClassVar[tuple[Knob, ...]] = TABLE
 
     @model_validator(mode="after")
-    def _check(self) -> "EngineConfig":
+    def _check(self) -> Any:
         if self.block_size not in BLOCK_SIZES:
             raise ValueError(f"block_size {self.block_size} is not allowed; choose one of {list(BLOCK_SIZES)}")
         if self.max_num_batched_tokens < self.block_size:
@@ -59,19 +45,19 @@ class EngineConfig(BaseModel):
         return self
 
     @classmethod
-    def build(cls, **values: Any) -> "EngineConfig":
+    def build(cls, **values: Any) -> Any:
         """Validate, turning pydantic's error into a ConfigError with one line per bad field."""
         try:
             return cls(**values)
         except ValidationError as e:
             raise ConfigError(format_validation_error(e)) from None
 
-    def with_changes(self, **changes: Any) -> "EngineConfig":
+    def with_changes(self, **changes: Any) -> Any:
         """A validated copy with some knobs changed (never half-applied: all or nothing)."""
-        return EngineConfig.build(**{**self.model_dump(), **changes})
+        return type(self).build(**{**self.model_dump(), **changes})
 
-    def restart_changes(self, other: "EngineConfig") -> set[str]:
-        return {k for k in RESTART_KNOBS if getattr(self, k) != getattr(other, k)}
+    def restart_changes(self, other: Any) -> set[str]:
+        return {k.name for k in self.TABLE if k.restart and getattr(self, k.name) != getattr(other, k.name)}
 
     def as_flags(self) -> dict[str, Any]:
         """vLLM-style flag names (dashes) -> values."""
@@ -87,8 +73,23 @@ def format_validation_error(e: ValidationError) -> str:
     return "; ".join(lines)
 
 
+def config_model(table: tuple[Knob, ...]) -> type[_Config]:
+    """The config model of a knob table: one field per knob, its type, default, doc and limits."""
+    def field(k: Knob) -> tuple[Any, Any]:
+        kind: Any = Annotated[(k.type, *k.limits)] if k.limits else k.type
+        return (kind if k.default is not None else kind | None), Field(k.default, description=k.doc)
+    model = create_model("EngineConfig", __base__=_Config, __doc__=_Config.__doc__,
+                         __module__=__name__, **{k.name: field(k) for k in table})
+    model.TABLE = table
+    return model
+
+
+EngineConfig = config_model(TABLE)
+
+
 def check_knobs() -> None:
-    """The knob table names exactly EngineConfig's fields, in the same order."""
+    """The knob table is sound and EngineConfig's fields are its knobs, in its order."""
+    check()
     fields, table = list(EngineConfig.model_fields), [k.name for k in TABLE]
     if fields != table:
         raise AssertionError(f"knobs.TABLE {table} != EngineConfig fields {fields}")

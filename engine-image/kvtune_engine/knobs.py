@@ -1,14 +1,20 @@
-"""The one table of engine knobs: every name a knob goes by, whether a change is live or needs a
-restart, whether the tuner changes it, and where it may go.
+"""The one table of engine knobs: every fact about a knob, once. Its name (EngineConfig field, the
+``kvtune`` flag, vLLM's flag, a ``camel`` spelling for camelCase configs), its type, default and doc
+line, whether a change is live or needs a restart, the values the engine accepts (``limits``), the
+values a deployment may set (``allowed``, inside the limits) and the tuner's default search range
+(``search``, inside ``allowed``).
 
-Engine (`EngineConfig`, its flags), CRD (`spec.engine`, `spec.autotune.bounds`), tuner (candidates,
-bounds, the bad-candidate memory) and operator (status, events) read this table instead of keeping
-maps of their own. `config.check_knobs()` keeps it equal to `EngineConfig`'s fields. A leaf module:
-it imports nothing of the engine.
+EngineConfig (its fields), the CLI flags, the resource's schema, the tuner's bounds and candidates
+and the vLLM runtime are all generated from this table: adding a knob is one row here (plus the code
+that acts on it). Invariant (`check`): the ranges nest (search in allowed in limits) and every
+default lies inside them. A leaf module: it imports nothing of the engine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from annotated_types import Ge, Gt, Le, Lt
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 BOOLS = (True, False)
@@ -17,17 +23,23 @@ BOOLS = (True, False)
 @dataclass(frozen=True)
 class Knob:
     name: str                      # EngineConfig field (snake_case) = vLLM's flag without dashes
-    camel: str                     # spec.engine field
+    camel: str                     # its camelCase name (config files, resources); may carry a unit
+    type: type                     # int, float or bool (a None default makes it optional)
+    default: Any
+    doc: str                       # one line: what it is, in its unit
     live: bool                     # applied by a running engine (config file, admin API); else a restart
+    limits: tuple = ()             # what the engine accepts (annotated_types Ge/Gt/Le/Lt)
     tuned: bool = False            # the tuner may change it (a candidate's identity)
-    bounded: bool = False          # users may bound it in spec.autotune.bounds (and freeze it)
+    bounded: bool = False          # users may bound (and freeze) it
     choices: tuple | None = None   # the values it may take (block size, switches)
-    search: tuple[float, float] | None = None   # the tuner's default range (spec bounds narrow it)
-    allowed: tuple[float, float] | None = None  # the cluster-facing limits (CRD bounds)
+    search: tuple[float, float] | None = None   # the tuner's default range (user bounds narrow it)
+    allowed: tuple[float, float] | None = None  # what a deployment may set: past it a value is a typo
     #: vLLM's (0.32) flag for this knob, None where vLLM lacks it (spec.runtime vllm then refuses it);
     #: swap_space is vLLM's CPU KV offloading (--kv-offloading-backend native): a second-tier cache,
     #: since vLLM V1 preempts by recompute only. vLLM applies no knob live: every change restarts it.
     vllm: str | None = None
+    vllm_default: Any = None       # vLLM's default where it differs from ours
+    from_model: str | None = None  # unset, the engine takes this value of the model's (what it is)
 
     @property
     def flag(self) -> str:
@@ -37,26 +49,44 @@ class Knob:
     def restart(self) -> bool:
         return not self.live
 
+    @property
+    def vllm_value(self) -> Any:
+        """What vLLM runs with when the flag is not given."""
+        return self.default if self.vllm_default is None else self.vllm_default
 
+
+_FRACTION = (Gt(0.0), Le(1.0))
 TABLE: tuple[Knob, ...] = (
-    Knob("block_size", "blockSize", live=False, tuned=True, bounded=True, choices=BLOCK_SIZES, vllm="--block-size"),
-    Knob("gpu_memory_utilization", "gpuMemoryUtilization", live=False, tuned=True, bounded=True,
-         search=(0.05, 0.95), allowed=(0.1, 0.98), vllm="--gpu-memory-utilization"),
+    Knob("block_size", "blockSize", int, 16, f"Token slots per KV-cache block; one of {', '.join(map(str, BLOCK_SIZES))}.",
+         live=False, tuned=True, bounded=True, choices=BLOCK_SIZES, vllm="--block-size"),
+    Knob("gpu_memory_utilization", "gpuMemoryUtilization", float, 0.90,
+         "Fraction of device memory the engine may use (weights + activations + KV cache).", live=False,
+         limits=_FRACTION, tuned=True, bounded=True, search=(0.1, 0.95), allowed=(0.1, 0.98),
+         vllm="--gpu-memory-utilization"),
     # allowed maxima: host RAM of one node, device memory of one 16-GPU pod, and token counts well
     # past any model's context; beyond them a value is a typo (1e308 GiB) the operator refuses
-    Knob("swap_space", "swapSpaceGiB", live=False, tuned=True, bounded=True, search=(0.0, 64.0),
-         allowed=(0.0, 1024.0), vllm="--kv-offloading-size"),
-    Knob("kv_cache_memory", "kvCacheMemoryGiB", live=False, allowed=(0.0, 2048.0), vllm="--kv-cache-memory-bytes"),
-    Knob("max_num_seqs", "maxNumSeqs", live=True, tuned=True, bounded=True, search=(1, 1024), allowed=(1, 16384),
-         vllm="--max-num-seqs"),
-    Knob("max_num_batched_tokens", "maxNumBatchedTokens", live=True, tuned=True, bounded=True,
-         search=(16, 65536), allowed=(1, 1048576), vllm="--max-num-batched-tokens"),
-    Knob("max_model_len", "maxModelLen", live=False, allowed=(2, 16777216), vllm="--max-model-len"),
-    Knob("watermark", "watermark", live=True, tuned=True, vllm="--watermark"),
-    Knob("enable_prefix_caching", "enablePrefixCaching", live=True, tuned=True, bounded=True, choices=BOOLS,
-         vllm="--enable-prefix-caching"),
-    Knob("enable_chunked_prefill", "enableChunkedPrefill", live=True, tuned=True, bounded=True, choices=BOOLS,
-         vllm="--enable-chunked-prefill"),
+    Knob("swap_space", "swapSpaceGiB", float, 4.0, "CPU swap pool for preempted requests, GiB.", live=False,
+         limits=(Ge(0.0),), tuned=True, bounded=True, search=(0.0, 64.0), allowed=(0.0, 1024.0),
+         vllm="--kv-offloading-size"),
+    Knob("kv_cache_memory", "kvCacheMemoryGiB", float, None,
+         "KV cache size in GiB, bypassing memory profiling (CPU runs, tests).", live=False, limits=(Gt(0.0),),
+         allowed=(0.0, 2048.0), vllm="--kv-cache-memory-bytes"),
+    Knob("max_num_seqs", "maxNumSeqs", int, 256, "Most sequences running in one step.", live=True, limits=(Ge(1),),
+         tuned=True, bounded=True, search=(1, 1024), allowed=(1, 16384), vllm="--max-num-seqs"),
+    Knob("max_num_batched_tokens", "maxNumBatchedTokens", int, 8192,
+         "Token budget of one step: prefill chunks plus one token per decode.", live=True, limits=(Ge(1),),
+         tuned=True, bounded=True, search=(16, 65536), allowed=(1, 1048576), vllm="--max-num-batched-tokens",
+         vllm_default=2048),
+    Knob("max_model_len", "maxModelLen", int, 8192, "Longest prompt + output, in tokens.", live=False,
+         limits=(Ge(2),), allowed=(2, 16777216), vllm="--max-model-len",
+         from_model="the model's context length (max_position_embeddings); the engine refuses more"),
+    Knob("watermark", "watermark", float, 0.01,
+         "Fraction of all blocks kept free when admitting new requests (decode headroom).", live=True,
+         limits=(Ge(0.0), Lt(1.0)), tuned=True, vllm="--watermark"),
+    Knob("enable_prefix_caching", "enablePrefixCaching", bool, True, "Reuse KV blocks of shared prompt prefixes.",
+         live=True, tuned=True, bounded=True, choices=BOOLS, vllm="--enable-prefix-caching"),
+    Knob("enable_chunked_prefill", "enableChunkedPrefill", bool, True, "Split long prompts across steps.",
+         live=True, tuned=True, bounded=True, choices=BOOLS, vllm="--enable-chunked-prefill"),
 )
 
 BY_NAME: dict[str, Knob] = {k.name: k for k in TABLE}
@@ -70,21 +100,58 @@ RESTART_KNOBS = frozenset(k.name for k in TABLE if k.restart)
 TUNED_KNOBS = tuple(k.name for k in TABLE if k.tuned)
 #: Knobs vLLM (spec.runtime vllm) has no flag for.
 VLLM_LACKS = frozenset(k.name for k in TABLE if k.vllm is None)
-#: Knobs users bound (and freeze) in spec.autotune; the other tuned knobs stay at the baseline in a cluster.
+#: Knobs users bound (and freeze); the other tuned knobs stay at the baseline in a cluster.
 BOUNDED_KNOBS = tuple(k.name for k in TABLE if k.bounded)
 
 
-def knob(key: str) -> Knob:
+def within_limits(k: Knob, v: float) -> bool:
+    """Does the engine accept ``v`` for ``k`` (its ``limits``)?"""
+    return all((not isinstance(m, Ge) or v >= m.ge) and (not isinstance(m, Gt) or v > m.gt)
+               and (not isinstance(m, Le) or v <= m.le) and (not isinstance(m, Lt) or v < m.lt) for m in k.limits)
+
+
+def limits_text(k: Knob) -> str:
+    """The limits as an interval, e.g. ``(0, 1]``."""
+    lo = next((f"[{m.ge:g}" if isinstance(m, Ge) else f"({m.gt:g}" for m in k.limits if isinstance(m, (Ge, Gt))), "(-inf")
+    hi = next((f"{m.le:g}]" if isinstance(m, Le) else f"{m.lt:g})" for m in k.limits if isinstance(m, (Le, Lt))), "inf)")
+    return f"{lo}, {hi}"
+
+
+def check(table: tuple[Knob, ...] = TABLE) -> None:
+    """Names are unique; search lies in allowed, allowed in the engine's limits, the default in all
+    but search (a baseline may start outside the tuner's range); a bounded knob is tuned and has a
+    range or choices."""
+    for attr in ("name", "camel"):
+        names = [getattr(k, attr) for k in table]
+        if len(set(names)) != len(names):
+            raise AssertionError(f"knob {attr}s repeat: {names}")
+    for k in table:
+        where = f"knob {k.name}"
+        if k.search is not None:
+            if k.allowed is None or not (k.allowed[0] <= k.search[0] <= k.search[1] <= k.allowed[1]):
+                raise AssertionError(f"{where}: search range {k.search} leaves its allowed range {k.allowed}")
+        if k.allowed is not None:  # its low end may be an open limit (kv_cache_memory: more than 0)
+            lo, hi = k.allowed
+            if not (within_limits(k, hi) and (within_limits(k, lo) or any(isinstance(m, Gt) and m.gt == lo
+                                                                            for m in k.limits))):
+                raise AssertionError(f"{where}: allowed range {k.allowed} leaves the engine's limits {limits_text(k)}")
+        if k.default is not None:
+            if not isinstance(k.default, k.type) and not (k.type is float and isinstance(k.default, int)):
+                raise AssertionError(f"{where}: default {k.default!r} is not a {k.type.__name__}")
+            inside = (k.default in k.choices if k.choices else within_limits(k, k.default)
+                      and (k.allowed is None or k.allowed[0] <= k.default <= k.allowed[1]))
+            if not inside:
+                raise AssertionError(f"{where}: default {k.default!r} is outside its range")
+        if k.bounded and not (k.tuned and (k.choices or k.search)):
+            raise AssertionError(f"{where}: bounded, so it needs tuned=True and choices or a search range")
+
+
+def knob(key: str, table: tuple[Knob, ...] = TABLE) -> Knob:
     """The knob any spelling names: field (``max_num_seqs``), flag (``--max-num-seqs``, ``max-num-seqs``)
-    or CRD name (``maxNumSeqs``, ``swapSpace`` for ``swapSpaceGiB``). KeyError names the knobs."""
+    or camelCase name (``maxNumSeqs``, ``swapSpace`` for ``swapSpaceGiB``). KeyError names the knobs."""
     k = key.strip()
-    if k in BY_CAMEL:
-        return BY_CAMEL[k]
-    if k == "swapSpace":
-        return BY_NAME["swap_space"]
-    snake = k.lstrip("-").replace("-", "_")
-    if snake == "swap_space_gib":
-        snake = "swap_space"
-    if snake in BY_NAME:
-        return BY_NAME[snake]
-    raise KeyError(f"unknown knob {key!r}; knobs: {', '.join(k.camel for k in TABLE)}")
+    snake = {"swapSpace": "swap_space"}.get(k) or k.lstrip("-").replace("-", "_").removesuffix("_gib")
+    found = next((x for x in table if k == x.camel or snake == x.name), None)
+    if found is None:
+        raise KeyError(f"unknown knob {key!r}; knobs: {', '.join(x.camel for x in table)}")
+    return found

@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any
 
 from kvtune_engine.config import EngineConfig
-from kvtune_engine.knobs import BY_NAME
+from kvtune_engine.knobs import TABLE
 from kvtune_operator.model import (
     KNOBS,
     TUNABLE_KNOBS,
@@ -96,15 +96,16 @@ def knob_bounds(spec: InferenceDeploymentSpec) -> Bounds:
     """Where the tunable knobs may go in this cluster: spec.autotune.bounds within the knob table's
     allowed limits (an omitted bound is the limit). Frozen knobs are `frozen_knobs`' business."""
     b = spec.autotune.bounds if spec.autotune and spec.autotune.bounds else None
-
-    def rng(name: str, r: Any) -> Range:
-        lo, hi = BY_NAME[name].allowed
-        return Range(lo if r is None or r.min is None else r.min, hi if r is None or r.max is None else r.max)
-
-    return Bounds(
-        block_size=tuple(b.block_size) if b and b.block_size else BY_NAME["block_size"].choices,
-        **{k: rng(k, b and getattr(b, k)) for k in
-           ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens")})
+    out: dict[str, Any] = {}
+    for k in TABLE:
+        mine = getattr(b, k.name, None) if b else None
+        if k.bounded and k.choices:
+            out[k.name] = tuple(mine) if mine else k.choices
+        elif k.bounded and k.allowed:
+            lo, hi = k.allowed
+            out[k.name] = Range(lo if mine is None or mine.min is None else mine.min,
+                                hi if mine is None or mine.max is None else mine.max)
+    return Bounds(**out)
 
 
 def in_bounds(spec: InferenceDeploymentSpec, knob: str, value: Any) -> bool:

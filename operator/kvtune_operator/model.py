@@ -4,8 +4,9 @@
 enums, bounds, and the cross-field CEL rules attached here with ``x-kubernetes-validations``), so
 ``kubectl explain`` and the apiserver's validation say exactly what this file says.
 
-`spec.engine` mirrors the engine's own `EngineConfig` (kvtune_engine.config) in camelCase: the
-fields, their defaults, descriptions and bounds are derived from it, not retyped. Two fields carry
+`spec.engine`, status.engine and `spec.autotune.bounds` are made from the engine's knob table
+(kvtune_engine.knobs, which EngineConfig is made from too): the fields, their defaults, doc lines,
+allowed ranges and vLLM flags come from it, not retyped. Two fields carry
 their unit in the name (``swapSpaceGiB``, ``kvCacheMemoryGiB``); everything else is vLLM's flag name
 in camelCase (``--max-num-seqs`` -> ``maxNumSeqs``).
 
@@ -19,12 +20,11 @@ from datetime import datetime
 from enum import Enum
 from typing import Annotated, Any, Callable, ClassVar, Literal, Mapping, NamedTuple
 
-from annotated_types import Ge, Gt, Le, Lt
+from annotated_types import Ge, Gt, Le
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic.alias_generators import to_camel
 
-from kvtune_engine.config import BLOCK_SIZES, LIVE_KNOBS, RESTART_KNOBS, EngineConfig
-from kvtune_engine.knobs import BOOLS, BOUNDED_KNOBS, BY_NAME, TABLE, VLLM_LACKS
+from kvtune_engine.knobs import BOOLS, BOUNDED_KNOBS, BY_NAME, TABLE, VLLM_LACKS, Knob
 
 GROUP = "kvtune.io"
 VERSION = "v1alpha1"
@@ -49,16 +49,15 @@ KNOBS_BY_CAMEL: dict[str, str] = {camel: snake for snake, camel in KNOBS.items()
 GPU_MEMORY_UTILIZATION_RANGE = BY_NAME["gpu_memory_utilization"].allowed
 
 
-def _spec_metadata(name: str, engine_metadata: list[Any]) -> list[Any]:
-    """The bounds of a knob in the resource: the engine's, narrowed to the knob table's `allowed`
-    range (its lower end where tighter than the engine's, its upper end always: every knob the
-    resource takes has a maximum, so the apiserver refuses 1e308 instead of the operator failing)."""
-    allowed = BY_NAME[name].allowed
-    if allowed is None:
-        return engine_metadata
-    lo, hi = allowed
-    lower = [m for m in engine_metadata if isinstance(m, (Ge, Gt))]
-    engine_lo = max((getattr(m, "ge", None) if isinstance(m, Ge) else m.gt for m in lower), default=None)
+def _spec_metadata(k: Knob) -> list[Any]:
+    """The bounds of a knob in the resource: the engine's limits, narrowed to the knob table's
+    `allowed` range (its lower end where tighter than the engine's, its upper end always: every knob
+    the resource takes has a maximum, so the apiserver refuses 1e308 instead of the operator failing)."""
+    if k.allowed is None:
+        return list(k.limits)
+    lo, hi = k.allowed
+    lower = [m for m in k.limits if isinstance(m, (Ge, Gt))]
+    engine_lo = max((m.ge if isinstance(m, Ge) else m.gt for m in lower), default=None)
     if engine_lo is None or lo > engine_lo:
         lower = [Ge(lo)]
     return [*lower, Le(hi)]
@@ -74,42 +73,26 @@ def to_camel_dict(engine_values: dict[str, Any]) -> dict[str, Any]:
     return {KNOBS[k]: v for k, v in engine_values.items() if k in KNOBS}
 
 
-def _knob_note(name: str) -> str:
-    flag = "--" + name.replace("_", "-")
-    if name in RESTART_KNOBS:
-        how = "Changing it restarts the engine pods (a rolling update)."
-    elif name in LIVE_KNOBS:
-        how = "Applied live through the engine's config file; no restart."
-    else:  # pragma: no cover - every knob is one or the other
-        how = ""
-    return f" {how} vLLM flag {flag}.".rstrip()
+def _knob_note(k: Knob) -> str:
+    how = ("Changing it restarts the engine pods (a rolling update)." if k.restart
+           else "Applied live through the engine's config file; no restart.")
+    return f" {how} " + (f"vLLM flag {k.vllm}." if k.vllm else "vLLM has no such flag (runtime vllm refuses it).")
 
 
-def _knob_field(name: str, *, with_default: bool) -> tuple[Any, Any]:
-    """(annotation, FieldInfo) of one knob for spec.engine (defaults) or status (all optional)."""
-    info = EngineConfig.model_fields[name]
-    annotation: Any = info.annotation
-    metadata = [m for m in info.metadata if isinstance(m, (Ge, Gt, Le, Lt))]
-    if name == "block_size":
-        annotation = Literal[BLOCK_SIZES]  # type: ignore[valid-type]
-        metadata = []
-        description = f"Token slots per KV-cache block; one of {', '.join(map(str, BLOCK_SIZES))}."
-    else:
-        description = info.description or name
-    if name != "block_size":
-        metadata = _spec_metadata(name, metadata)
-    description += _knob_note(name)
-    optional = info.default is None or not with_default
+def _knob_field(k: Knob, *, with_default: bool) -> tuple[Any, Any]:
+    """(annotation, FieldInfo) of one knob for spec.engine (defaults) or status (all optional), from
+    the knob table: its doc line, how it applies, vLLM's flag, its allowed range or choices."""
+    annotation: Any = Literal[k.choices] if k.choices and k.type is not bool else k.type  # type: ignore[valid-type]
+    metadata = [] if k.choices else _spec_metadata(k)
+    description = k.doc + _knob_note(k)
+    if k.from_model:  # unset: what the engine takes from the model, which only the engine knows
+        description += f" Default: {k.from_model}."
+    default = k.default if with_default and not k.from_model else None
     if metadata:
         annotation = Annotated[(annotation, *metadata)]
-    if optional:
+    if default is None:
         annotation = annotation | None
-    default = info.default if with_default else None
-    if name == "max_model_len":  # unset: the model's context length, which only the engine knows
-        default = None
-        annotation = annotation | None
-        description += " Default: the model's context length (max_position_embeddings); the engine refuses more."
-    return annotation, Field(default, alias=KNOBS[name], description=description)
+    return annotation, Field(default, alias=k.camel, description=description)
 
 
 class CRDModel(BaseModel):
@@ -428,22 +411,21 @@ class _EngineSpecBase(CRDModel):
     model_config = ConfigDict(json_schema_extra=_ENGINE_RULES)
 
 
-#: spec.engine: every EngineConfig knob, camelCase, with the engine's defaults.
-EngineSpec: type[CRDModel] = create_model(  # type: ignore[call-overload]
-    "EngineSpec",
-    __base__=_EngineSpecBase,
-    __doc__="The engine's KV-cache and scheduling knobs: the user's baseline (vLLM's flag names in "
-            "camelCase). Tuned values never overwrite these: they live in status.engine.",
-    **{name: _knob_field(name, with_default=True) for name in KNOBS},
-)
+def engine_models(table: tuple[Knob, ...] = TABLE) -> tuple[type[CRDModel], type[CRDModel]]:
+    """spec.engine (every knob of ``table``, camelCase, the engine's defaults) and status.engine /
+    tuning before-after (the same knobs, all optional, no defaults)."""
+    spec = create_model(  # type: ignore[call-overload]
+        "EngineSpec", __base__=_EngineSpecBase,
+        __doc__="The engine's KV-cache and scheduling knobs: the user's baseline (vLLM's flag names in "
+                "camelCase). Tuned values never overwrite these: they live in status.engine.",
+        **{k.name: _knob_field(k, with_default=True) for k in table})
+    knobs = create_model(  # type: ignore[call-overload]
+        "EngineKnobs", __base__=CRDModel, __doc__="Engine knobs (camelCase, as in spec.engine).",
+        **{k.name: _knob_field(k, with_default=False) for k in table})
+    return spec, knobs
 
-#: status.engine / tuning before-after: the same knobs, all optional, no defaults.
-EngineKnobs: type[CRDModel] = create_model(  # type: ignore[call-overload]
-    "EngineKnobs",
-    __base__=CRDModel,
-    __doc__="Engine knobs (camelCase, as in spec.engine).",
-    **{name: _knob_field(name, with_default=False) for name in KNOBS},
-)
+
+EngineSpec, EngineKnobs = engine_models()
 
 
 class AutotuneMode(str, Enum):
@@ -463,50 +445,55 @@ class IntRange(CRDModel):
     max: int | None = Field(None, ge=1, description="Largest value the tuner may choose.")
 
 
-class GpuMemoryRange(CRDModel):
-    """An inclusive range of gpuMemoryUtilization; an omitted end means the allowed limit (0.1 / 0.98)."""
-
+class _Range(CRDModel):
     model_config = ConfigDict(json_schema_extra=_rules(
         {"rule": "!has(self.min) || !has(self.max) || self.min <= self.max",
          "message": "min must not be greater than max"}))
 
-    min: float | None = Field(None, ge=0.1, le=0.98, description="Smallest fraction the tuner may choose.")
-    max: float | None = Field(None, ge=0.1, le=0.98, description="Largest fraction the tuner may choose.")
 
-
-class SwapRange(CRDModel):
-    """An inclusive range of swap space in GiB; an omitted end means the allowed limit (0 / 1024)."""
-
-    model_config = ConfigDict(json_schema_extra=_rules(
-        {"rule": "!has(self.min) || !has(self.max) || self.min <= self.max",
-         "message": "min must not be greater than max"}))
-
-    min: float | None = Field(None, ge=0, le=BY_NAME["swap_space"].allowed[1],
-                              description="Smallest swap space (GiB) the tuner may choose.")
-    max: float | None = Field(None, ge=0, le=BY_NAME["swap_space"].allowed[1],
-                              description="Largest swap space (GiB) the tuner may choose.")
+def _range_model(k: Knob) -> type[CRDModel]:
+    """The bounds of one ranged knob: min and max inside its allowed range."""
+    lo, hi = k.allowed or (None, None)
+    end = lambda which: (k.type | None, Field(None, ge=lo, le=hi,  # noqa: E731
+                                              description=f"{which} {k.camel} the tuner may choose."))
+    return create_model(  # type: ignore[call-overload]
+        k.camel[0].upper() + k.camel[1:] + "Range", __base__=_Range,
+        __doc__=f"An inclusive range of {k.camel}; an omitted end means the allowed limit ({lo:g} / {hi:g}).",
+        min=end("Smallest"), max=end("Largest"))
 
 
 #: Knobs the tuner may change (the others stay at the baseline); a subset may be frozen by the user.
 TUNABLE_KNOBS = BOUNDED_KNOBS
 TunableKnob = Literal[tuple(KNOBS[k] for k in TUNABLE_KNOBS)]  # type: ignore[valid-type]
+#: Knobs spec.autotune.bounds ranges (the switches are only frozen or not)
+RANGED_KNOBS = tuple(k.name for k in TABLE if k.bounded and k.search)
 
 
-class Bounds(CRDModel):
-    """Per-knob limits the tuner never leaves. An omitted knob may range over all its allowed values."""
-
-    block_size: list[Literal[BLOCK_SIZES]] | None = Field(  # type: ignore[valid-type]
-        None, min_length=1, max_length=len(BLOCK_SIZES),
-        json_schema_extra={"x-kubernetes-list-type": "set"},
-        description=f"Block sizes the tuner may choose, a subset of {list(BLOCK_SIZES)}.")
-    gpu_memory_utilization: GpuMemoryRange | None = Field(None, description="Range of gpuMemoryUtilization.")
-    swap_space: SwapRange | None = Field(None, alias="swapSpaceGiB", description="Range of swapSpaceGiB.")
-    max_num_seqs: IntRange | None = Field(None, description="Range of maxNumSeqs.")
-    max_num_batched_tokens: IntRange | None = Field(None, description="Range of maxNumBatchedTokens.")
-    replicas: IntRange | None = Field(
+_REPLICAS_BOUND = (IntRange | None, Field(
         None, description="Range of replicas the tuner may scale to (scale subresource, Apply mode) when one "
                           "engine is compute-bound and no knob helps; never while a HorizontalPodAutoscaler or a "
-                          "KEDA ScaledObject targets the deployment. Omitted: the replica count is only predicted.")
+                          "KEDA ScaledObject targets the deployment. Omitted: the replica count is only predicted."))
+
+
+def bounds_model(table: tuple[Knob, ...] = TABLE) -> type[CRDModel]:
+    """spec.autotune.bounds: a subset of the choices (block size) or a range per bounded knob."""
+    fields: dict[str, Any] = {}
+    for k in table:
+        if not k.bounded or k.type is bool:
+            continue
+        if k.choices:
+            fields[k.name] = (list[Literal[k.choices]] | None, Field(  # type: ignore[valid-type]
+                None, alias=k.camel, min_length=1, max_length=len(k.choices),
+                json_schema_extra={"x-kubernetes-list-type": "set"},
+                description=f"Values of {k.camel} the tuner may choose, a subset of {list(k.choices)}."))
+        else:
+            fields[k.name] = (_range_model(k) | None, Field(None, alias=k.camel, description=f"Range of {k.camel}."))
+    return create_model(  # type: ignore[call-overload]
+        "Bounds", __base__=CRDModel, **fields, replicas=_REPLICAS_BOUND,
+        __doc__="Per-knob limits the tuner never leaves. An omitted knob may range over all its allowed values.")
+
+
+Bounds = bounds_model()
 
 
 class Objectives(CRDModel):
@@ -596,7 +583,7 @@ def _bounds_rule(knob: str) -> dict[str, str]:
 
 
 def _vllm_lacks_rule(name: str) -> dict[str, str]:
-    default = EngineConfig.model_fields[name].default
+    default = BY_NAME[name].default
     lit = json.dumps(default) if not isinstance(default, bool) else str(default).lower()
     return {"rule": f"self.runtime != 'vllm' || self.engine.{KNOBS[name]} == {lit}",
             "message": f"runtime vllm has no {KNOBS[name]} (vLLM lacks the knob): leave it at its default",
@@ -636,7 +623,7 @@ class InferenceDeploymentSpec(CRDModel):
          "message": "engine.blockSize must be one of autotune.bounds.blockSize: the baseline has to be a value "
                     "the tuner may choose",
          "fieldPath": ".engine.blockSize"},
-        *(_bounds_rule(k) for k in ("gpuMemoryUtilization", "swapSpaceGiB", "maxNumSeqs", "maxNumBatchedTokens")),
+        *(_bounds_rule(KNOBS[k]) for k in RANGED_KNOBS),
         *_VLLM_RULES,
         *cel(_SPEC_CHECKS),
     ))

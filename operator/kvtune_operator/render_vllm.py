@@ -73,7 +73,6 @@ def parse_knobs(args: list[str]) -> dict[str, Any]:
                 v = inline or (args[i + 1] if i + 1 < len(args) else "")
                 i += 0 if inline else 1
                 out[k.name] = (float(v) / GiB if k.name == "kv_cache_memory"
-                               else float(v) if "." in v or k.name in ("swap_space", "gpu_memory_utilization",
-                                                                       "watermark") else int(v))
+                               else float(v) if "." in v or k.type is float else int(v))
         i += 1
     return out

@@ -8,267 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from dataclasses import replace as _replace
 from typing import Any, Iterable, Mapping
 
-from kvtune_engine.config import BLOCK_SIZES, RESTART_KNOBS, ConfigError, EngineConfig
-from kvtune_engine.knobs import BY_NAME, TABLE, knob
+from kvtune_engine.config import RESTART_KNOBS, ConfigError, EngineConfig
 
+from .bounds import CAMEL, Bounds, Range, knob_name  # noqa: F401 - re-exported
 from .decide import knob_changes
 from .memory import MemoryPicture, Safety, swap_needed_gib  # noqa: F401 - re-exported
 from .observation import Observation
-
-# ----------------------------------------------------------------------------------------------
-# Bounds
-
-#: CRD (camelCase) spelling of each knob, for messages users read next to their spec.
-CAMEL = {k.name: k.camel for k in TABLE}
-
-
-def knob_name(key: str) -> str:
-    """The EngineConfig field of any spelling of a knob (ConfigError naming the knobs otherwise)."""
-    try:
-        return knob(key).name
-    except KeyError as e:
-        raise ConfigError(f"bounds: {e.args[0]}") from None
-
-
-@dataclass(frozen=True)
-class Range:
-    lo: float
-    hi: float
-
-    def clamp(self, v: float) -> float:
-        return min(self.hi, max(self.lo, v))
-
-    def __contains__(self, v: object) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and self.lo - 1e-9 <= v <= self.hi + 1e-9
-
-    def within(self, other: "Range") -> "Range":
-        """The part of this range inside ``other``."""
-        return Range(max(self.lo, other.lo), min(self.hi, other.hi))
-
-
-def _search(name: str) -> Range:
-    return Range(*BY_NAME[name].search)
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """What the tuner may set. Defaults are the knob table's search ranges; users narrow them
-    (``spec.autotune.bounds``)."""
-    block_size: tuple[int, ...] = BY_NAME["block_size"].choices
-    gpu_memory_utilization: Range = _search("gpu_memory_utilization")
-    swap_space: Range = _search("swap_space")
-    max_num_seqs: Range = _search("max_num_seqs")
-    max_num_batched_tokens: Range = _search("max_num_batched_tokens")
-    enable_chunked_prefill: tuple[bool, ...] = BY_NAME["enable_chunked_prefill"].choices
-    enable_prefix_caching: tuple[bool, ...] = BY_NAME["enable_prefix_caching"].choices
-    watermark: Range | None = None          # None: never tuned
-
-    def allows(self, cfg: EngineConfig) -> bool:
-        return (cfg.block_size in self.block_size
-                and cfg.gpu_memory_utilization in self.gpu_memory_utilization
-                and cfg.swap_space in self.swap_space
-                and cfg.max_num_seqs in self.max_num_seqs
-                and cfg.max_num_batched_tokens in self.max_num_batched_tokens
-                and cfg.enable_chunked_prefill in self.enable_chunked_prefill
-                and cfg.enable_prefix_caching in self.enable_prefix_caching)
-
-    def admits(self, name: str, value: Any) -> bool:
-        """May knob ``name`` take ``value``? (A knob without bounds here, like max_model_len: no.)"""
-        allowed = getattr(self, name, None)
-        return allowed is not None and value in allowed
-
-    def within(self, other: "Bounds") -> "Bounds":
-        """These bounds inside ``other`` (the user's bounds inside the tuner's search ranges)."""
-        ch: dict[str, Any] = {}
-        for k, mine in vars(self).items():
-            theirs = getattr(other, k)
-            if isinstance(mine, Range) and isinstance(theirs, Range):
-                ch[k] = mine.within(theirs)
-            elif isinstance(mine, tuple) and isinstance(theirs, tuple):
-                ch[k] = tuple(v for v in theirs if v in mine)
-        return _replace(self, **ch)
-
-    def violations(self, cfg: EngineConfig) -> list[str]:
-        out = []
-        for k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens"):
-            r: Range = getattr(self, k)
-            if getattr(cfg, k) not in r:
-                out.append(f"{k}={getattr(cfg, k)} outside [{r.lo:g}, {r.hi:g}]")
-        for k in ("block_size", "enable_chunked_prefill", "enable_prefix_caching"):
-            if getattr(cfg, k) not in getattr(self, k):
-                out.append(f"{k}={getattr(cfg, k)} not in {list(getattr(self, k))}")
-        return out
-
-    @classmethod
-    def parse(cls, spec: Mapping[str, Any] | Iterable[str] | None) -> "Bounds":
-        """From the CRD's ``bounds`` mapping (``{blockSize: [16, 32], maxNumSeqs: {min: 32, max: 512}}``)
-        or CLI strings (``max-num-seqs=32:512``, ``block-size=16,32``, ``enable-chunked-prefill=true``).
-
-        A ``[lo, hi]`` pair or ``{min, max}`` is a range (for block size: the allowed sizes between);
-        ``a,b,c`` lists allowed values; one value pins the knob.
-        """
-        if spec is None:
-            return cls()
-        items: list[tuple[str, Any]] = []
-        if isinstance(spec, Mapping):
-            items = list(spec.items())
-        else:
-            for s in spec:
-                for part in str(s).split(";"):
-                    part = part.strip()
-                    if not part:
-                        continue
-                    if "=" not in part:
-                        raise ConfigError(f"bounds: {part!r} is not KNOB=LO:HI or KNOB=V1,V2")
-                    k, _, v = part.partition("=")
-                    items.append((k, _parse_cli_value(v.strip())))
-        vals: dict[str, Any] = {}
-        for key, v in items:
-            k = knob_name(key)
-            if k in ("enable_chunked_prefill", "enable_prefix_caching"):
-                vv = v if isinstance(v, (list, tuple)) else [v]
-                vals[k] = tuple(_bool(x) for x in vv)
-            elif k == "block_size":
-                # a list is the set of allowed sizes (the CRD's blockSize: [16, 32]); {min, max} a range
-                if isinstance(v, (list, tuple)):
-                    listed = [float(_num(x)) for x in v]
-                else:
-                    lo, hi, listed = _span(v)
-                if listed is not None:
-                    bad = [b for b in listed if int(b) not in BLOCK_SIZES]
-                    if bad:
-                        raise ConfigError(f"bounds: block size {bad} not in {list(BLOCK_SIZES)}")
-                    vals[k] = tuple(sorted(int(b) for b in listed))
-                else:
-                    vals[k] = tuple(b for b in BLOCK_SIZES if lo <= b <= hi)
-                if not vals[k]:
-                    raise ConfigError(f"bounds: no allowed block size in {v!r}")
-            elif k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens",
-                       "watermark"):
-                lo, hi, listed = _span(v)
-                if listed is not None:
-                    lo, hi = min(listed), max(listed)
-                if lo > hi:
-                    raise ConfigError(f"bounds: {key} min {lo} > max {hi}")
-                if k == "gpu_memory_utilization" and not (0 < lo and hi <= 1):
-                    raise ConfigError(f"bounds: gpuMemoryUtilization must lie in (0, 1], got {lo}..{hi}")
-                if lo < 0:
-                    raise ConfigError(f"bounds: {key} must not be negative")
-                vals[k] = Range(float(lo), float(hi))
-            else:
-                raise ConfigError(f"bounds: {key} is not a tuned knob")
-        return cls(**vals)
-
-    def clamp(self, cfg: EngineConfig) -> EngineConfig:
-        """The nearest config inside the bounds (``cfg`` itself when it is inside)."""
-        ch: dict[str, Any] = {}
-        for k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens"):
-            r: Range = getattr(self, k)
-            v = getattr(cfg, k)
-            if v not in r:
-                c = r.clamp(v)
-                ch[k] = int(c) if isinstance(v, int) else c
-        for k in ("enable_chunked_prefill", "enable_prefix_caching"):
-            if getattr(cfg, k) not in getattr(self, k):
-                ch[k] = getattr(self, k)[0]
-        if cfg.block_size not in self.block_size:
-            ch["block_size"] = min(self.block_size, key=lambda b: (abs(b - cfg.block_size), b))
-        if not ch:
-            return cfg
-        if ch.get("enable_chunked_prefill") is False:
-            ch["max_num_batched_tokens"] = max(ch.get("max_num_batched_tokens", cfg.max_num_batched_tokens),
-                                               cfg.max_model_len)
-        try:
-            return cfg.with_changes(**ch)
-        except ConfigError:
-            return cfg
-
-    def freeze(self, cfg: EngineConfig, knobs: Iterable[str]) -> "Bounds":
-        """Pin ``knobs`` (any spelling) to their value in ``cfg`` (``spec.autotune.frozenKnobs``)."""
-        ch: dict[str, Any] = {}
-        for key in knobs:
-            k = knob_name(key)
-            v = getattr(cfg, k)
-            if k in ("block_size", "enable_chunked_prefill", "enable_prefix_caching"):
-                ch[k] = (v,)
-            elif k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens", "watermark"):
-                ch[k] = Range(float(v), float(v))
-        return _replace(self, **ch)
-
-    def around(self, cfg: EngineConfig) -> "Bounds":
-        """These bounds widened to contain ``cfg`` (so the user's baseline is always allowed)."""
-        ch: dict[str, Any] = {}
-        for k in ("block_size", "enable_chunked_prefill", "enable_prefix_caching"):
-            if getattr(cfg, k) not in getattr(self, k):
-                ch[k] = tuple(sorted(set(getattr(self, k)) | {getattr(cfg, k)}))
-        for k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens"):
-            r: Range = getattr(self, k)
-            v = float(getattr(cfg, k))
-            if v not in r:
-                ch[k] = Range(min(r.lo, v), max(r.hi, v))
-        return _replace(self, **ch) if ch else self
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k in ("block_size", "enable_chunked_prefill", "enable_prefix_caching"):
-            out[k] = list(getattr(self, k))
-        for k in ("gpu_memory_utilization", "swap_space", "max_num_seqs", "max_num_batched_tokens", "watermark"):
-            r = getattr(self, k)
-            if r is not None:
-                out[k] = {"min": r.lo, "max": r.hi}
-        return out
-
-
-def _parse_cli_value(v: str) -> Any:
-    if ":" in v:
-        lo, _, hi = v.partition(":")
-        return {"min": _num(lo) if lo else 0, "max": _num(hi) if hi else math.inf}
-    if "," in v:
-        return [_num(x) for x in v.split(",") if x.strip()]
-    return _num(v)
-
-
-def _num(x: Any) -> Any:
-    if isinstance(x, (int, float, bool)):
-        return x
-    s = str(x).strip()
-    if s.lower() in ("true", "false", "on", "off", "yes", "no"):
-        return _bool(s)
-    try:
-        f = float(s)
-    except ValueError:
-        raise ConfigError(f"bounds: {s!r} is not a number") from None
-    return int(f) if f.is_integer() and "." not in s else f
-
-
-def _bool(x: Any) -> bool:
-    if isinstance(x, bool):
-        return x
-    s = str(x).strip().lower()
-    if s in ("true", "on", "yes", "1"):
-        return True
-    if s in ("false", "off", "no", "0"):
-        return False
-    raise ConfigError(f"bounds: {x!r} is not true or false")
-
-
-def _span(v: Any) -> tuple[float, float, list[float] | None]:
-    """(lo, hi, listed values or None) from {min,max}, [lo, hi], a list, or one value."""
-    if isinstance(v, Mapping):
-        return float(_num(v.get("min", 0))), float(_num(v.get("max", math.inf))), None
-    if isinstance(v, (list, tuple)):
-        nums = [float(_num(x)) for x in v]
-        if not nums:
-            raise ConfigError("bounds: empty list")
-        if len(nums) == 2:
-            return min(nums), max(nums), None
-        return min(nums), max(nums), nums
-    f = float(_num(v))
-    return f, f, [f]
-
 
 # ----------------------------------------------------------------------------------------------
 # Candidates
@@ -328,6 +75,11 @@ def best_block_size(obs: Observation, allowed: Iterable[int], kernel_penalty: fl
     return min(scored)[2]
 
 
+#: Knobs `propose` moves by their own rules (watermark: never; it is decode headroom, not a target)
+_OWN_MOVES = frozenset({"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
+                        "block_size", "gpu_memory_utilization", "swap_space", "watermark"})
+
+
 def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), cause: str | None = None,
             memory: MemoryPicture | None = None, slo_tpot_s: float | None = None,
             exhaustive: bool = False, suggestion: Mapping[str, Any] | None = None) -> CandidateSet:
@@ -347,7 +99,8 @@ def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), caus
       short or the tail waste is large;
     * ``gpu_memory_utilization`` up to the safe line when blocks ran short or sequences were
       preempted; down to the safe line when above it (always proposed);
-    * ``swap_space`` from the observed swap volume, when the window swapped.
+    * ``swap_space`` from the observed swap volume, when the window swapped;
+    * any other bounded knob (one new in the knob table): its neighbours, always.
 
     A current config outside the bounds is first brought inside them (that config is a candidate
     itself, and the moves start from it). Combinations of moves that each help are made by the loop
@@ -457,6 +210,19 @@ def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), caus
             v = bounds.swap_space.clamp(float(math.ceil(v * 2) / 2))  # half GiB steps
             if abs(v - cfg.swap_space) > 1e-9:
                 move(f"swap_space {cfg.swap_space} -> {v}", swap_space=v)
+    # a tuned knob the moves above do not know (one just added to the knob table): its neighbouring
+    # choices, or half, double and the ends of its range; the prediction tells whether they help
+    for k, b in bounds.items():
+        if k.name in _OWN_MOVES:
+            continue
+        v = getattr(cfg, k.name)
+        if isinstance(b, tuple):
+            i = b.index(v) if v in b else 0
+            opts = set(b[max(0, i - 1): i + 2])
+        else:
+            opts = {b.lo, b.hi, b.clamp(v * 0.5), b.clamp(v * 2)} if v is not None else {b.lo, b.hi}
+        for o in sorted(opts - {v}):
+            move(f"{k.name} {v} -> {o}", **{k.name: k.type(o)})
     if suggestion:  # on the observed config itself, as the diagnosis computed it
         out.add(_try(obs.config, bounds, **suggestion), f"diagnosis: {dict(suggestion)}")
     return out
