@@ -144,11 +144,14 @@ def pod_problem(pods: Iterable[dict[str, Any]]) -> Cond | None:
 
 def degraded_condition(*, config_error: str | None, apply_error: str | None, missing_pvc: str | None,
                        deployment: dict[str, Any] | None, pods: Iterable[dict[str, Any]],
-                       not_owned: str | None = None) -> Cond:
+                       not_owned: str | None = None, volume_refusal: Cond | None = None) -> Cond:
     """Degraded=True with the most basic problem first; False (AsExpected) when none. `not_owned`:
-    children of our names that exist and belong to somebody else (left untouched)."""
+    children of our names that exist and belong to somebody else (left untouched); `volume_refusal`:
+    why the model volume's claim is not mounted (volume_policy.claim_refusal)."""
     if config_error:
         return Cond(DEGRADED, "True", "InvalidSpec", config_error)
+    if volume_refusal is not None:
+        return volume_refusal
     if not_owned:
         return Cond(DEGRADED, "True", "ChildNotOwned", not_owned + (f"; {apply_error}" if apply_error else ""))
     if apply_error:

@@ -44,6 +44,13 @@ API_CALLS: dict[tuple[str, str], set[str]] = {
     ("", "events"): {"create"},
 }
 
+#: Cluster-scoped calls, granted by the chart's one small ClusterRole (files/rbac-cluster-rules.yaml;
+#: tests/unit/test_chart.py keeps them equal): reading the PersistentVolume a model volume's claim is
+#: bound to, to refuse hostPath and local ones (volume_policy.py). Not needed with allowHostPath.
+CLUSTER_API_CALLS: dict[tuple[str, str], set[str]] = {
+    ("", "persistentvolumes"): {"get"},
+}
+
 #: apiVersion/kind -> how to reach it: ("core"|"apps", suffix of the typed method) or ("custom", plural).
 _KINDS: dict[tuple[str, str], tuple[str, str]] = {
     ("v1", "ConfigMap"): ("core", "config_map"),
@@ -203,6 +210,10 @@ class Kube:
 
     def get_pvc(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._call(self.core.read_namespaced_persistent_volume_claim, name, namespace)
+
+    def get_pv(self, name: str) -> dict[str, Any] | None:
+        """A PersistentVolume (cluster-scoped); None when it does not exist, KubeError (403) when not granted."""
+        return self._call(self.core.read_persistent_volume, name)
 
     def served(self, group: str, version: str, plural: str, *, ttl: float = 60.0) -> bool:
         """Whether the apiserver serves group/version/plural (discovery; cached for `ttl` seconds)."""

@@ -34,6 +34,7 @@ from kvtune_operator.render import (ANNOTATION_RESTART_HASH, admin_key_of, child
                                     render_children, runtime_restart_hash, selector_string)
 from kvtune_operator.render_vllm import DEFAULT_VLLM_IMAGE
 from kvtune_operator.settings import Settings
+from kvtune_operator.volume_policy import bound_volume_name, claim_refusal
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,26 @@ class Reconciler:
         with self._locks_guard:
             self._locks.pop((namespace, name), None)
 
+    def model_volume_refusal(self, namespace: str, infd: InferenceDeployment) -> c.Cond | None:
+        """Unless allowHostPath: why the model volume's claim may not be mounted yet (missing, unbound,
+        bound to a hostPath or local PersistentVolume, or not verifiable), else None (volume_policy)."""
+        vol = infd.spec.model.volume
+        if self.settings.allow_host_path or vol is None or vol.persistent_volume_claim is None:
+            return None
+        claim = vol.persistent_volume_claim.claim_name
+        try:
+            pvc = self.kube.get_pvc(namespace, claim)
+        except KubeError as e:
+            return claim_refusal(claim, None, None, pvc_error=str(e))
+        volume = bound_volume_name(pvc) if pvc is not None else None
+        pv = pv_error = None
+        if volume is not None:
+            try:
+                pv = self.kube.get_pv(volume)
+            except KubeError as e:
+                pv_error = str(e)
+        return claim_refusal(claim, pvc, pv, pv_error=pv_error)
+
     def reconcile(self, namespace: str, name: str, *, status_update: dict[str, Any] | None = None,
                   conditions: Iterable[c.Cond] = (), events: Iterable[EventSpec] = ()) -> Outcome:
         """Render, apply and write status; `status_update`, `conditions` and `events` come from the
@@ -221,6 +242,8 @@ class Reconciler:
                 config_error = ("spec.model.volume.hostPath is not allowed by this operator (setting allowHostPath, "
                                 "KVTUNE_ALLOW_HOST_PATH, is off: it would mount a node directory); use a "
                                 "persistentVolumeClaim")
+        volume_refusal = self.model_volume_refusal(namespace, infd) if infd is not None and effective is not None \
+            else None
         if infd is not None and effective is not None:
             image = infd.spec.image or (DEFAULT_VLLM_IMAGE if infd.spec.runtime == "vllm" else self.settings.engine_image)
             pod_monitor = self.settings.pod_monitor == "auto" and self.kube.served(*PODMONITOR)
@@ -254,6 +277,9 @@ class Reconciler:
                     continue
                 if kind in read_errors:
                     errors.append(read_errors[kind])
+                    failed.append(kind)
+                    continue
+                if kind == "Deployment" and volume_refusal is not None:  # no engine pods on that volume
                     failed.append(kind)
                     continue
                 waits_for = blockers(kind, failed=failed, refused=refused)
@@ -298,7 +324,8 @@ class Reconciler:
         # -- observe ------------------------------------------------------------------------------
         desired = infd.spec.replicas if infd else 0
         missing_pvc = None
-        if infd and infd.spec.model.volume and infd.spec.model.volume.persistent_volume_claim:
+        if infd and infd.spec.model.volume and infd.spec.model.volume.persistent_volume_claim \
+                and self.settings.allow_host_path:  # else model_volume_refusal read it
             claim = infd.spec.model.volume.persistent_volume_claim.claim_name
             if self.kube.get_pvc(namespace, claim) is None:
                 missing_pvc = claim
@@ -314,7 +341,8 @@ class Reconciler:
             c.ready_condition(desired, deployment, not_owned=not_owned_msg),
             c.progressing_condition(desired, deployment, restart_changed, not_owned=not_owned_msg),
             c.degraded_condition(config_error=config_error, apply_error=apply_error, missing_pvc=missing_pvc,
-                                 deployment=deployment, pods=pods, not_owned=not_owned_msg),
+                                 deployment=deployment, pods=pods, not_owned=not_owned_msg,
+                                 volume_refusal=volume_refusal),
             *c.tuner_conditions(conds, mode),
             *extra,
         ]
@@ -343,7 +371,7 @@ class Reconciler:
             "tuning": tuning,
             "conditions": conds,
         })
-        if not (config_error or apply_error or not_owned):
+        if not (config_error or apply_error or not_owned or volume_refusal):
             status["observedGeneration"] = generation
         outcome.status = status
         outcome.retry = apply_error

@@ -390,12 +390,61 @@ def test_missing_pvc_is_degraded_with_an_event(controlplane, operator, opns):
     events = controlplane.kubectl_json("get", "events", "-n", opns, "--field-selector",
                                        "involvedObject.name=nopvc,reason=ModelVolumeMissing", "-o", "json")["items"]
     assert events and events[0]["type"] == "Warning"
-    assert get(controlplane, "deployment", "nopvc", opns)  # applied anyway: it starts once the claim exists
+    # no engine pods until the claim exists and its volume is checked (it could come bound to a node directory)
+    assert controlplane.kubectl("get", "deployment", "nopvc", "-n", opns, check=False).returncode != 0
+    assert get(controlplane, "configmap", "nopvc-engine", opns)
     controlplane.kubectl("apply", "-n", opns, "-f", "-", input=yaml.safe_dump({
         "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "absent"},
         "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}}))
     eventually(lambda: condition(get(controlplane, "infd", "nopvc", opns), "Degraded").get("reason")
                != "ModelVolumeMissing", what="ModelVolumeMissing to clear")
+
+
+def _bound_claim(controlplane, ns: str, claim: str, source: dict) -> str:
+    """A PersistentVolume with `source` and a claim `claim` bound to it (claimRef and volumeName): its name."""
+    pv = f"{claim}-{uuid.uuid4().hex[:6]}"
+    controlplane.kubectl("apply", "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv},
+        "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                 "persistentVolumeReclaimPolicy": "Retain", "claimRef": {"namespace": ns, "name": claim}, **source}}))
+    controlplane.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": claim},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "", "volumeName": pv,
+                 "resources": {"requests": {"storage": "1Gi"}}}}))
+    eventually(lambda: get(controlplane, "pvc", claim, ns).get("status", {}).get("phase") == "Bound",
+               what=f"claim {claim} bound to {pv}")
+    return pv
+
+
+def test_a_claim_bound_to_a_host_path_volume_gets_no_pods(controlplane, operator, opns):
+    """A persistentVolumeClaim whose PersistentVolume is a hostPath reaches the node's filesystem like
+    spec.model.volume.hostPath: refused (Degraded HostPathVolume, a Warning event, no Deployment). A
+    claim bound to any other kind of PersistentVolume gets its Deployment."""
+    pvs = [_bound_claim(controlplane, opns, "node-dir", {"hostPath": {"path": "/", "type": "Directory"}}),
+           _bound_claim(controlplane, opns, "disk", {"csi": {"driver": "disk.example.com", "volumeHandle": "w-1"}})]
+    try:
+        for name, claim in (("viahost", "node-dir"), ("viacsi", "disk")):
+            controlplane.kubectl("apply", "-n", opns, "-f", "-", input=infd_yaml(name, model={
+                "path": "/models/m", "volume": {"persistentVolumeClaim": {"claimName": claim}, "mountPath": "/models"}}))
+
+        def refused():
+            c = condition(get(controlplane, "infd", "viahost", opns), "Degraded")
+            return c if c.get("status") == "True" and c.get("reason") == "HostPathVolume" else None
+        c = eventually(refused, timeout=60, what="Degraded HostPathVolume")
+        assert "node-dir" in c["message"] and pvs[0] in c["message"] and "hostPath" in c["message"]
+        assert "allowHostPath" in c["message"]  # and what is allowed
+        events = events_of(controlplane, opns, "viahost", "HostPathVolume")
+        assert events and events[0]["type"] == "Warning" and pvs[0] in events[0]["message"]
+        dep = eventually(lambda: controlplane.kubectl_json("get", "deployments", "-n", opns, "-o", "json")["items"]
+                         if get(controlplane, "deployment", "viacsi", opns) else None, what="viacsi's Deployment")
+        assert "viahost" not in [d["metadata"]["name"] for d in dep]
+        vols = get(controlplane, "deployment", "viacsi", opns)["spec"]["template"]["spec"]["volumes"]
+        assert {"name": "model", "persistentVolumeClaim": {"claimName": "disk", "readOnly": True}} in vols
+        assert condition(get(controlplane, "infd", "viacsi", opns), "Degraded").get("reason") != "HostPathVolume"
+    finally:
+        controlplane.kubectl("delete", "infd", "viahost", "viacsi", "-n", opns, "--wait=false", check=False)
+        controlplane.kubectl("delete", "pvc", "node-dir", "disk", "-n", opns, "--wait=false", check=False)
+        controlplane.kubectl("delete", "pv", *pvs, "--wait=false", check=False)
 
 
 def test_restart_resumes_without_duplicating_children(controlplane, operator, opns):
@@ -588,8 +637,12 @@ def test_helm_install_and_least_privilege_rbac(controlplane, crd, tmp_path):
             assert dcan("create", "secrets", "-n", "kube-system") == "no"
             assert dcan("get", "secrets", "-n", watched) == "no" and dcan("patch", "deployments", "-n", watched) == "no"
             assert dcan("patch", "deployments", "-n", dflt) == "yes"
-            assert not controlplane.kubectl_json("get", "clusterrolebindings", "-l", "app.kubernetes.io/instance=kvd",
-                                                 "-o", "json")["items"]
+            # cluster-wide only get on persistentvolumes (to refuse a claim bound to a node directory)
+            (crb,) = controlplane.kubectl_json("get", "clusterrolebindings", "-l", "app.kubernetes.io/instance=kvd",
+                                               "-o", "json")["items"]
+            assert controlplane.kubectl_json("get", "clusterrole", crb["roleRef"]["name"], "-o", "json")["rules"] == [
+                {"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["get"]}]
+            assert dcan("get", "persistentvolumes") == "yes" and dcan("list", "persistentvolumes") == "no"
         finally:
             controlplane.helm("uninstall", "kvd", "-n", dflt, check=False)
             controlplane.kubectl("delete", "namespace", dflt, "--wait=false", check=False)

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from kvtune_operator.crd import CRD_FILE
-from kvtune_operator.kube import API_CALLS
+from kvtune_operator.kube import API_CALLS, CLUSTER_API_CALLS
 from kvtune_operator.settings import ENV_PREFIX, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +42,9 @@ def test_chart_crd_is_byte_identical_to_crds_dir():
 def test_rbac_rules_are_exactly_the_operators_calls():
     rules = yaml.safe_load((CHART / "files" / "rbac-rules.yaml").read_text())
     assert _rules_as_calls(rules) == API_CALLS
-    for rule in rules:
+    cluster = yaml.safe_load((CHART / "files" / "rbac-cluster-rules.yaml").read_text())
+    assert _rules_as_calls(cluster) == CLUSTER_API_CALLS == {("", "persistentvolumes"): {"get"}}
+    for rule in rules + cluster:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
         assert not {"delete", "deletecollection", "update", "escalate", "bind", "impersonate"} & set(rule["verbs"])
 
@@ -92,7 +94,7 @@ def test_helm_lint_and_template():
         assert res.returncode == 0, res.stdout + res.stderr
     docs = _template()
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["Deployment", "Role", "RoleBinding", "ServiceAccount",
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "Deployment", "Role", "RoleBinding", "ServiceAccount",
                      "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     role = next(d for d in docs if d["kind"] == "Role")
     assert _rules_as_calls(role["rules"]) == API_CALLS and role["metadata"]["namespace"] == "kvtune-system"
@@ -104,7 +106,7 @@ def test_helm_lint_and_template():
     settings = Settings.from_env(env)
     assert settings.namespaces == ("kvtune-system",) and settings.liveness == "http://0.0.0.0:8080/healthz"
     wide = _template("--set", "rbac.clusterWide=true")
-    role = next(d for d in wide if d["kind"] == "ClusterRole")
+    role = next(d for d in wide if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "t-kvtune")
     assert _rules_as_calls(role["rules"]) == API_CALLS and not [d for d in wide if d["kind"] == "Role"]
     env = {e["name"]: e["value"] for e in next(d for d in wide if d["kind"] == "Deployment")[
         "spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -113,8 +115,8 @@ def test_helm_lint_and_template():
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     scoped = _template("--set", "watchNamespaces={a,b}", "--set", "grafanaDashboard.enabled=true")
     kinds = sorted(d["kind"] for d in scoped)
-    assert kinds == ["ConfigMap", "Deployment", "Role", "Role", "RoleBinding", "RoleBinding", "ServiceAccount",
-                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "Deployment", "Role", "Role", "RoleBinding",
+                     "RoleBinding", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding"]
     assert sorted(d["metadata"]["namespace"] for d in scoped if d["kind"] == "Role") == ["a", "b"]
     dash = next(d for d in scoped if d["kind"] == "ConfigMap")
     assert json.loads(dash["data"]["kvtune-engine.json"])["uid"] == "kvtune-engine"
@@ -128,14 +130,26 @@ def _secret_verbs(docs: list[dict], kind: str) -> set[str]:
             if "" in r["apiGroups"] and ("secrets" in r["resources"] or "*" in r["resources"]) for v in r["verbs"]}
 
 
+def _cluster_grants(docs: list[dict]) -> dict[tuple[str, str], set[str]]:
+    """What the ClusterRoles bound by the chart's ClusterRoleBindings grant, together."""
+    bound = {b["roleRef"]["name"] for b in docs if b["kind"] == "ClusterRoleBinding"}
+    return _rules_as_calls([r for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] in bound
+                            for r in d["rules"]])
+
+
 def test_default_install_grants_no_cluster_wide_secret_access():
-    """The chart's defaults (watchNamespaces empty): no ClusterRole at all, so nothing on Secrets (nor
-    on Deployments, ConfigMaps, ...) outside the one namespace the operator watches, its own; every
-    grant is a Role bound in a watched namespace. Cluster-wide only as the explicit rbac.clusterWide,
-    which also refuses a watchNamespaces list it would silently ignore."""
+    """The chart's defaults (watchNamespaces empty): cluster-wide only get on persistentvolumes (to
+    refuse a model claim bound to a node directory), so nothing on Secrets (nor on Deployments,
+    ConfigMaps, ...) outside the one namespace the operator watches, its own; every other grant is a
+    Role bound in a watched namespace; with allowHostPath (nothing to refuse) no cluster grant at all.
+    Cluster-wide only as the explicit rbac.clusterWide, which also refuses a watchNamespaces list it
+    would silently ignore."""
     for args in ([], ["--set", "watchNamespaces={a,b}"]):
         docs = _template(*args)
-        assert not [d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")], args
+        assert _cluster_grants(docs) == CLUSTER_API_CALLS == {("", "persistentvolumes"): {"get"}}, args
+        assert len([d for d in docs if d["kind"] in ("ClusterRole", "ClusterRoleBinding")]) == 2, args
+        assert not [d for d in _template(*args, "--set", "allowHostPath=true")
+                    if d["kind"] in ("ClusterRole", "ClusterRoleBinding")], args
         watched = {e["value"] for d in docs if d["kind"] == "Deployment"
                    for e in d["spec"]["template"]["spec"]["containers"][0]["env"] if e["name"] == "KVTUNE_NAMESPACES"}
         (watched,) = watched

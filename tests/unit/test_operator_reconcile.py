@@ -5,7 +5,7 @@ import copy
 import json
 
 from kvtune_operator.conditions import Cond, get_condition
-from kvtune_operator.kube import API_CALLS, KubeError
+from kvtune_operator.kube import API_CALLS, CLUSTER_API_CALLS, KubeError
 from kvtune_operator.reconcile import EventSpec, Reconciler
 from kvtune_operator.render import ANNOTATION_RESTART_HASH
 from kvtune_operator.settings import Settings
@@ -31,6 +31,9 @@ class FakeKube:
         self.objects: dict[tuple, dict] = {}
         self.events: list[tuple[str, str, str]] = []
         self.pvcs: set[tuple[str, str]] = set()
+        self.bound: dict[tuple[str, str], str] = {}  # claim -> the PersistentVolume it is bound to
+        self.pvs: dict[str, dict] = {}  # PersistentVolumes (cluster-scoped) by name
+        self.pv_forbidden = False
         self.pods: list[dict] = []
         self.podmonitor = podmonitor
         self.fail_kind: str | None = None
@@ -114,7 +117,24 @@ class FakeKube:
 
     def get_pvc(self, namespace, name):
         self.calls.append(("persistentvolumeclaims", "get"))
-        return {"metadata": {"name": name}} if (namespace, name) in self.pvcs else None
+        if (namespace, name) not in self.pvcs:
+            return None
+        volume = self.bound.get((namespace, name))
+        return {"metadata": {"name": name}, "spec": {"volumeName": volume} if volume else {}}
+
+    def get_pv(self, name):
+        self.calls.append(("persistentvolumes", "get"))
+        if self.pv_forbidden:
+            raise KubeError(f'persistentvolumes "{name}" is forbidden: cannot get resource "persistentvolumes" '
+                            'at the cluster scope', 403)
+        return copy.deepcopy(self.pvs.get(name))
+
+    def add_claim(self, name, pv_source: dict | None, namespace="llm", pv="pv-1") -> None:
+        """A claim; bound to PersistentVolume `pv` with source `pv_source` (None: unbound)."""
+        self.pvcs.add((namespace, name))
+        if pv_source is not None:
+            self.bound[(namespace, name)] = pv
+            self.pvs[pv] = {"metadata": {"name": pv}, "spec": {"capacity": {"storage": "1Gi"}, **pv_source}}
 
     def served(self, group, version, plural):
         return self.podmonitor
@@ -275,10 +295,12 @@ def test_missing_pvc_is_degraded_until_it_exists():
     rec.reconcile("llm", "qwen")
     deg = get_condition(kube.infd()["status"]["conditions"], "Degraded")
     assert deg["reason"] == "ModelVolumeMissing" and "weights" in deg["message"]
-    assert kube.child("Deployment")  # still applied: it starts once the claim exists
-    kube.pvcs.add(("llm", "weights"))
+    # no engine pods until the claim exists and its volume is checked (it could come bound to a node directory)
+    assert not [k for k in kube.objects if k[1] == "Deployment"] and kube.child("ConfigMap", "qwen-engine")
+    kube.add_claim("weights", {"csi": {"driver": "disk.example.com", "volumeHandle": "w-1"}})
     rec.reconcile("llm", "qwen")
     assert get_condition(kube.infd()["status"]["conditions"], "Degraded")["status"] == "False"
+    assert kube.child("Deployment")
 
 
 def test_crashing_engine_is_degraded_with_its_last_words():
@@ -302,7 +324,7 @@ def test_deleted_object_is_left_alone():
 def test_calls_are_covered_by_the_declared_rbac():
     kube, rec = setup(podmonitor=True)
     rec.reconcile("llm", "qwen")
-    granted = {(res, verb) for (_, res), verbs in API_CALLS.items() for verb in verbs}
+    granted = {(res, verb) for (_, res), verbs in (API_CALLS | CLUSTER_API_CALLS).items() for verb in verbs}
     kinds = {"ConfigMap": "configmaps", "Deployment": "deployments", "Service": "services", "PodMonitor": "podmonitors",
              "Secret": "secrets", "NetworkPolicy": "networkpolicies",
              "kvtune.io/inferencedeployments": "inferencedeployments",

@@ -13,6 +13,7 @@ from kvtune_operator.conditions import get_condition
 from kvtune_operator.reconcile import Reconciler, engine_admin_key
 from kvtune_operator.render import admin_key_of
 from kvtune_operator.settings import Settings
+from kvtune_operator.volume_policy import claim_refusal
 
 
 def reconciled(spec: dict | None = None, name: str = "qwen", **settings):
@@ -84,6 +85,72 @@ def test_host_path_refused_unless_the_operator_allows_it():
     kube, _ = reconciled(spec, allow_host_path=True)
     vols = obj(kube, "Deployment", "qwen")["spec"]["template"]["spec"]["volumes"]
     assert {"name": "model", "hostPath": {"path": "/etc", "type": "Directory"}} in vols
+
+
+HOST_PV = {"hostPath": {"path": "/"}}
+LOCAL_PV = {"local": {"path": "/mnt/disks/ssd1"}}
+CSI_PV = {"csi": {"driver": "disk.example.com", "volumeHandle": "weights-1"}}
+
+
+def _pv(source: dict) -> dict:
+    return {"metadata": {"name": "pv-w"}, "spec": {"capacity": {"storage": "1Gi"}, **source}}
+
+
+def test_claim_refusal_decides_from_the_claim_and_its_volume():
+    """The pure decision: a claim may be mounted only when it exists, is bound, and its PersistentVolume
+    was read and is not a node directory (hostPath or local); anything else refuses, saying why."""
+    bound = {"metadata": {"name": "w"}, "spec": {"volumeName": "pv-w"}}
+    assert claim_refusal("w", bound, _pv(CSI_PV)) is None
+    assert claim_refusal("w", bound, _pv({"nfs": {"server": "nfs.example.com", "path": "/models"}})) is None
+    for source, kind in ((HOST_PV, "hostPath"), (LOCAL_PV, "local")):
+        r = claim_refusal("w", bound, _pv(source))
+        assert (r.type, r.status, r.reason) == ("Degraded", "True", "HostPathVolume")
+        assert f"pv-w of type {kind}" in r.message and "allowHostPath" in r.message and "csi" in r.message
+    assert claim_refusal("w", None, None).reason == "ModelVolumeMissing"
+    unbound = claim_refusal("w", {"metadata": {"name": "w"}, "spec": {}}, None)
+    assert unbound.reason == "ModelVolumeUnbound" and "not bound" in unbound.message
+    forbidden = claim_refusal("w", bound, None, pv_error="persistentvolumes \"pv-w\" is forbidden")
+    assert forbidden.reason == "ModelVolumeUnverified" and "cannot verify" in forbidden.message
+    assert "get on persistentvolumes" in forbidden.message
+    assert claim_refusal("w", bound, None).reason == "ModelVolumeUnverified"  # bound to a PV that is gone
+    assert claim_refusal("w", None, None, pvc_error="forbidden").reason == "ModelVolumeUnverified"
+
+
+def _claim_spec(claim: str = "weights") -> dict:
+    return {**SPEC, "model": {"path": "/models/qwen", "volume": {"persistentVolumeClaim": {"claimName": claim},
+                                                                  "mountPath": "/models"}}}
+
+
+def _reconciled_with_claim(source: dict | None, *, forbidden: bool = False, **settings):
+    kube = FakeKube()
+    kube.add_claim("weights", source)
+    kube.pv_forbidden = forbidden
+    kube.add_infd(copy.deepcopy(_claim_spec()))
+    Reconciler(kube, Settings.from_env({}, **settings)).reconcile("llm", "qwen")
+    return kube
+
+
+def test_claim_bound_to_a_node_directory_is_refused_unless_the_operator_allows_it():
+    for source in (HOST_PV, LOCAL_PV):
+        kube = _reconciled_with_claim(source)
+        assert not [k for k in kube.objects if k[1] == "Deployment"], source
+        deg = get_condition(kube.infd()["status"]["conditions"], "Degraded")
+        assert deg["status"] == "True" and deg["reason"] == "HostPathVolume" and "weights" in deg["message"]
+        assert ("Warning", "HostPathVolume", deg["message"]) in kube.events
+    kube = _reconciled_with_claim(CSI_PV)
+    assert get_condition(kube.infd()["status"]["conditions"], "Degraded")["status"] == "False"
+    vols = obj(kube, "Deployment", "qwen")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in vols
+    kube = _reconciled_with_claim(HOST_PV, allow_host_path=True)  # allowed: not even read
+    assert obj(kube, "Deployment", "qwen") and ("persistentvolumes", "get") not in kube.calls
+    # a claim not bound yet, or a volume the operator may not read: refused until it can be checked
+    kube = _reconciled_with_claim(None)
+    assert get_condition(kube.infd()["status"]["conditions"], "Degraded")["reason"] == "ModelVolumeUnbound"
+    assert not [k for k in kube.objects if k[1] == "Deployment"]
+    kube = _reconciled_with_claim(CSI_PV, forbidden=True)
+    deg = get_condition(kube.infd()["status"]["conditions"], "Degraded")
+    assert deg["reason"] == "ModelVolumeUnverified" and "forbidden" in deg["message"]
+    assert not [k for k in kube.objects if k[1] == "Deployment"]
 
 
 def test_operator_admin_reads_and_diagnose_use_the_admin_key(tiny_llama):  # noqa: F811
