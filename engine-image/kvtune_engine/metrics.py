@@ -11,6 +11,7 @@ No torch here.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -21,6 +22,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from .core.stats import CAUSES
+from .quantile import bucket_quantile
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -82,16 +84,12 @@ class Histogram:
         out.append(("+Inf", acc + counts[-1]))
         return out
 
-    def quantile(self, q: float) -> float | None:
-        """Upper bound of the bucket holding quantile q (a coarse estimate for summaries)."""
+    def quantile_estimate(self, q: float) -> float | None:
+        """The q-quantile estimated from the buckets (``kvtune_engine.quantile.bucket_quantile``, what
+        Prometheus' histogram_quantile gives), not an exact percentile; None when empty."""
         if self.count == 0:
             return None
-        target, acc = q * self.count, 0
-        for b, c in zip(self.bounds, self.counts):
-            acc += c
-            if acc >= target:
-                return b
-        return math.inf
+        return bucket_quantile(list(zip((*self.bounds, math.inf), itertools.accumulate(self.counts))), q)
 
 
 def _fmt_bound(b: float) -> str:

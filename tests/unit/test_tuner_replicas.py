@@ -7,6 +7,7 @@ import math
 import pytest
 
 from kvtune_engine.config import EngineConfig
+from kvtune_engine.sim.profile import SpeedTimeline
 from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.scenarios import SCENARIOS
 from kvtune_engine.sim.simulator import SLO, percentile, simulate
@@ -19,6 +20,8 @@ SC = SCENARIOS["seq-cap"]
 PROFILE = load_profile(SC.profile)
 SLO_ = SLO(SC.slo_ttft_s, SC.slo_tpot_s)
 CONFIG = EngineConfig(max_num_seqs=1024)   # generous: the sequence cap never binds
+# a machine that ran 2.5x slower for 5 s of the window, then faster (a fitted profile's speed)
+SLOW = PROFILE.model_copy(update={"speed": SpeedTimeline(start_s=5.0, window_s=5.0, factors=(2.5, 0.7, 1.8))})
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +49,16 @@ def test_one_engine_is_saturated(trace):
     assert s["requests"]["meeting_slo"] / s["requests"]["total"] < 0.6
 
 
-def test_replica_steps_exactly_as_simulate(trace):
-    rep = Replica(CONFIG, PROFILE)
+@pytest.mark.parametrize("profile", [PROFILE, SLOW], ids=["named", "machine-speed"])
+def test_replica_steps_exactly_as_simulate(trace, profile):
+    """Machine speed included: a replica on a slow stretch of the machine drains as slowly as the
+    simulator says (the replica loop once charged the bare cost model)."""
+    rep = Replica(CONFIG, profile)
     for r in trace:
         rep.advance(r.arrival_s)
         rep.add(r)
     rep.advance(math.inf)
-    direct = _finish_times(trace, simulate(trace, CONFIG, PROFILE, SLO_, per_request=True))
+    direct = _finish_times(trace, simulate(trace, CONFIG, profile, SLO_, per_request=True))
     assert [rep.finish_s[j] for j in range(len(trace))] == pytest.approx(direct, rel=1e-12, abs=1e-9)
 
 
@@ -77,11 +83,12 @@ def test_round_robin_prediction_matches_direct_simulation(trace, fleets, n):
     assert min(s["tpot_p95_s"] for s in sims) <= f.tpot_p95_s <= max(s["tpot_p95_s"] for s in sims)
 
 
-def test_least_loaded_sends_each_request_where_fewest_are_in_flight(trace, fleets):
+@pytest.mark.parametrize("profile", [PROFILE, SLOW], ids=["named", "machine-speed"])
+def test_least_loaded_sends_each_request_where_fewest_are_in_flight(trace, fleets, profile):
     n = 3
-    shares = route(trace, n, "least-loaded", CONFIG, PROFILE)
+    shares = route(trace, n, "least-loaded", CONFIG, profile)
     assert sum(map(len, shares)) == len(trace) and all(shares)
-    sims = [simulate(s, CONFIG, PROFILE, SLO_, per_request=True) for s in shares]
+    sims = [simulate(s, CONFIG, profile, SLO_, per_request=True) for s in shares]
     finish = [_finish_times(s, sm) for s, sm in zip(shares, sims)]
     pos = [0] * n        # requests routed to each replica so far
     for r in trace:
@@ -91,7 +98,7 @@ def test_least_loaded_sends_each_request_where_fewest_are_in_flight(trace, fleet
         assert load[k] == min(load), (t, load, k)
         pos[k] += 1
     assert pos == [len(s) for s in shares]
-    f = fleets[("least-loaded", n)]
+    f = fleets[("least-loaded", n)] if profile is PROFILE else simulate_fleet(trace, CONFIG, profile, SLO_, n)
     assert f.meeting_slo == sum(s["requests"]["meeting_slo"] for s in sims)
     assert f.per_replica_requests == tuple(len(s) for s in shares)
 

@@ -10,26 +10,23 @@ starts later: its engine core stamps a request queued when the loop takes it in 
 the wait for the step running at its arrival is not in it (``queue_clock="intake"``; see
 ``vllm_policy.QUEUE_CLOCK``). TTFT and e2e start at the arrival either way.
 
-Synthetic token ids: a request of prefix group g gets the group's shared tokens for its first
-`prefix_tokens` positions and tokens unique to the request after that, so the prefix cache sees
-exactly the sharing the trace describes (prompts of one group share the prefix, nothing else).
+The requests, the steps and their cost are ``stepper``'s (``SimEngine``, stepped by ``Replay``): the
+replica prediction and the real-time simulated engine step the same engine. What this module owns
+is the summary: the cache state integrated over each step's duration, the latencies per request,
+their percentiles (``kvtune_engine.quantile.percentile``, the one every figure uses).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..config import EngineConfig
-from ..core.batch import StepOutput
-from ..request import Request, SamplingParams
-from ..core.scheduler import RequestRejected, Scheduler
+from ..core.scheduler import Scheduler
 from ..core.stats import CAUSES
+from ..quantile import percentile
+from ..request import Request
 from .profile import Profile
-from .runner import SimulatedRunner
+from .stepper import Replay, SimEngine
 from .trace import TraceRequest
-
-_UNIQUE_BASE = 1_000_000_000     # first token of request i's own part: _UNIQUE_BASE + i
-_GROUP_BASE = 2_000_000_000      # first token of group j's prefix:     _GROUP_BASE + j
 
 
 @dataclass(frozen=True)
@@ -43,35 +40,6 @@ class SLO:
         if self.tpot_s is not None and tpot is not None and tpot > self.tpot_s:
             return False
         return True
-
-
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default), on sorted data."""
-    if not sorted_values:
-        return None
-    pos = (len(sorted_values) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-class _Tokens:
-    """Synthetic prompts whose sharing is exactly the trace's prefix groups."""
-
-    def __init__(self) -> None:
-        self.groups: dict[str, list[int]] = {}
-
-    def prompt(self, i: int, r: TraceRequest) -> list[int]:
-        k = r.prefix_tokens if r.prefix_group is not None else 0
-        rest = r.prompt_tokens - k
-        own = [_UNIQUE_BASE + i] + [0] * (rest - 1) if rest > 0 else []
-        if not k:
-            return own
-        g = self.groups.get(r.prefix_group)
-        if g is None or len(g) < k:
-            j = len(self.groups) if g is None else g[0] - _GROUP_BASE
-            g = self.groups[r.prefix_group] = [_GROUP_BASE + j] + [1] * (max(k, 4096) - 1)
-        return g[:k] + own
 
 
 class _Acc:
@@ -128,57 +96,23 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
         raise ValueError("empty trace")
     if queue_clock not in ("arrival", "intake"):
         raise ValueError(f"queue_clock is 'arrival' or 'intake', not {queue_clock!r}")
-    size = profile.kv_cache_size(config)
-    sched = Scheduler(config, size.num_blocks, size.num_swap_blocks)
-    runner = SimulatedRunner(profile, size.block_bytes)
+    eng = SimEngine(config, profile)
+    size, sched = eng.size, eng.sched
     intake: dict[str, float] | None = {} if queue_clock == "intake" else None
     acc = _Acc(slo or SLO(), per_request, intake)
-    order = sorted(range(len(trace)), key=lambda j: trace[j].arrival_s)
-    tokens = _Tokens()
-    schedule, execute, update = sched.schedule, runner.execute, sched.update
     kv = sched.kv
-    speed = profile.speed
     nb, bs, reserve = size.num_blocks, config.block_size, sched.reserve_blocks
     waiting, swapped = sched.waiting, sched.swapped
     busy = usage = frag = shared = running = queued = free_t = reserved_t = cached_t = 0.0
     running_max = queued_max = used_max = 0
     swap_low = size.num_swap_blocks
-    n_total, i, rejected = len(order), 0, 0
-    now = start = trace[order[0]].arrival_s
+    rejected = 0
 
-    while True:
-        while i < n_total and trace[order[i]].arrival_s <= now:
-            j = order[i]
-            r = trace[j]
-            req = Request(tokens.prompt(j, r), SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
-                          arrival_s=r.arrival_s, request_id=f"r{j}",
-                          prefix_group=r.prefix_group)
-            try:
-                sched.add_request(req)
-                if intake is not None:
-                    intake[req.request_id] = now
-            except RequestRejected:
-                rejected += 1
-            i += 1
-        if not sched.has_unfinished():
-            if i >= n_total:
-                break
-            now = trace[order[i]].arrival_s
-            continue
-        batch = schedule(now)
-        if batch.empty:   # e.g. the only running request outgrew the cache and was finished
-            done = update(batch, StepOutput([], 0.0), now)
-            if not done:
-                raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
-            acc.requests(done)
-            continue
-        out = execute(batch)
-        dt = out.duration_s
-        if speed is not None:   # the machine as fast as it was at this time of the fitted window
-            dt *= speed.at(now)
-            out.duration_s = dt
+    def observe(batch, dt: float) -> None:
         # the cache as it is during this step (blocks for the tokens being computed included),
         # weighted by the step's duration: what averaging a scraped gauge over time gives
+        nonlocal busy, usage, frag, shared, running, queued, free_t, reserved_t, cached_t
+        nonlocal running_max, queued_max, used_max, swap_low
         n_free, n_idle = kv.num_free, kv.num_cached_idle
         used = nb - n_free - n_idle
         busy += dt
@@ -203,10 +137,20 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
         n_swap_free = kv.num_free_swap_blocks
         if n_swap_free < swap_low:
             swap_low = n_swap_free
-        now += dt
-        done = update(batch, out, now)
-        if done:
-            acc.requests(done)
+
+    def reject(i: int, r: TraceRequest) -> None:
+        nonlocal rejected
+        rejected += 1
+
+    def admit(req: Request, now: float) -> None:
+        intake[req.request_id] = now
+
+    replay = Replay(eng, observe=observe, on_done=lambda done, _end: acc.requests(done), on_reject=reject,
+                    on_admit=admit if intake is not None else None)
+    for j in sorted(range(len(trace)), key=lambda j: trace[j].arrival_s):
+        replay.feed(j, trace[j])
+    replay.advance()
+    n_total, now, start = len(trace), replay.now, replay.start
     acc.busy_s, acc.usage, acc.frag, acc.shared, acc.running = busy, usage, frag, shared, running
     acc.queued, acc.used_max = queued, used_max
     acc.running_max, acc.queued_max = running_max, queued_max

@@ -230,13 +230,19 @@ def choose(current: EngineConfig, baseline: Mapping[str, Any],
 # Verify and roll back
 
 
-def window_figures(summary: Mapping[str, Any], arrival_rate: float | None = None) -> dict[str, float]:
+#: in window figures, 1.0: their percentiles are estimates from histogram buckets, not exact
+FROM_BUCKETS = "quantiles_from_buckets"
+
+
+def window_figures(summary: Mapping[str, Any], arrival_rate: float | None = None, *,
+                   quantiles: str = "exact") -> dict[str, float]:
     """The figures a verdict compares. Goodput is normalised by the offered load when it is known,
-    so a quieter or busier window does not read as a regression or a gain."""
+    so a quieter or busier window does not read as a regression or a gain. ``quantiles``: what the
+    summary's percentiles are ("exact", or "histogram": then marked ``FROM_BUCKETS``)."""
     good = _f(summary, "goodput_requests_per_s")
     rps = _f(summary, "requests_per_s")
     load = arrival_rate if arrival_rate and arrival_rate > 0 else rps
-    return {
+    return {**({FROM_BUCKETS: 1.0} if quantiles == "histogram" else {}),
         "goodput_requests_per_s": good,
         "output_tokens_per_s": _f(summary, "output_tokens_per_s"),
         "requests_per_s": rps,
@@ -257,6 +263,9 @@ class Verdict:
     predicted: dict[str, float] | None
     change: float            # relative change of the compared figure vs the window before
     prediction_error: float | None   # (measured - predicted) / predicted on goodput
+    #: the measured and the predicted percentiles are the same statistic (False: the measured ones
+    #: are histogram estimates, the predicted ones exact; the reason says so)
+    like_with_like: bool = True
 
 
 def _compare(ref: Mapping[str, float], measured: Mapping[str, float]) -> tuple[str, float]:
@@ -312,7 +321,12 @@ def judge(before: Mapping[str, float], measured: Mapping[str, float],
         reason = f"{what} {change:+.0%} vs {ref}{cf_note}"
         if perr is not None:
             reason += f"; measured goodput {perr:+.0%} vs predicted"
-    return Verdict(keep, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr)
+    like = not predicted or bool(measured.get(FROM_BUCKETS)) == bool(predicted.get(FROM_BUCKETS))
+    if not like:
+        reason += ("; measured p95s are estimates from the engine's histogram buckets, predicted ones exact "
+                   "percentiles" if measured.get(FROM_BUCKETS) else
+                   "; measured p95s are exact percentiles, predicted ones estimates from histogram buckets")
+    return Verdict(keep, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr, like)
 
 
 @dataclass

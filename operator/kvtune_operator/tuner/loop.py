@@ -82,7 +82,7 @@ def measured_figures(obs: Observation) -> dict[str, float]:
         "preemptions": {"swap": obs.preemptions_swap, "recompute": obs.preemptions_recompute},
         "duration_s": obs.window_s,
     }
-    return window_figures(s)
+    return window_figures(s, quantiles=obs.quantiles)
 
 
 class Tuner:

@@ -9,7 +9,10 @@ Two sources build the same record:
   (``increase(...[window])`` for counters and buckets, ``avg_over_time`` / ``max_over_time`` for
   gauges) -- see ``MetricFigures``.
 
-Every ratio is in [0, 1], every time in seconds, every memory figure in bytes.
+Every ratio is in [0, 1], every time in seconds, every memory figure in bytes. Percentiles: the
+record says which statistic it holds (``quantiles``): "exact", ``kvtune_engine.quantile.percentile``
+of the requests' own figures (a simulator summary, the request lengths), or "histogram", estimates
+from the engine's buckets (``MetricFigures.hist_quantile``), all that ``/metrics`` allow.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from kvtune_engine.config import EngineConfig
 from kvtune_engine.core.stats import CAUSES
 from kvtune_engine.knobs import knob
 from kvtune_engine.kv.sizing import ActivationProfile
+from kvtune_engine.quantile import bucket_quantile, percentile
 from kvtune_engine.sim.summary import SimSummary
 
 from .fit import samples_from_engine_steps
@@ -31,13 +35,6 @@ WAITING_CAUSES = tuple(c for c in CAUSES if c != "none")
 GiB = 1024 ** 3
 #: memory by kind, as the engine exports it (kvtune_memory_bytes{kind}) and the simulator sums it
 MEMORY_KINDS = ("weights", "activations_peak", "kv_cache", "swap", "device_total")
-
-
-def _q(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    i = min(len(sorted_values) - 1, max(0, math.ceil(q * len(sorted_values)) - 1))
-    return float(sorted_values[i])
 
 
 def _field(r: Any, name: str, default: Any = None) -> Any:
@@ -101,8 +98,8 @@ class LengthStats:
         duration = span * n / (n - 1) if n > 1 and span > 0 else 0.0
         return cls(
             count=n, duration_s=duration,
-            prompt_p50=_q(sp, 0.5), prompt_p95=_q(sp, 0.95), prompt_max=sp[-1],
-            output_p50=_q(so, 0.5), output_p95=_q(so, 0.95), output_max=so[-1],
+            prompt_p50=percentile(sp, 0.5), prompt_p95=percentile(sp, 0.95), prompt_max=sp[-1],
+            output_p50=percentile(so, 0.5), output_p95=percentile(so, 0.95), output_max=so[-1],
             total_mean=sum(totals) / n,
             prefix_share=len(prefix_lens) / n,
             prefix_tokens_mean=sum(prefix_lens) / len(prefix_lens) if prefix_lens else 0.0,
@@ -135,7 +132,8 @@ class Observation:
     swap_blocks: int | None = None
     # memory by kind, bytes: weights, activations_peak, kv_cache, swap, device_total
     memory: Mapping[str, float] = field(default_factory=dict)
-    # latency and throughput
+    # latency and throughput; the percentiles are ``quantiles``: "exact" or "histogram" (module docstring)
+    quantiles: str = "exact"
     queue_time_p50_s: float = 0.0
     queue_time_p95_s: float = 0.0
     queue_time_p99_s: float = 0.0
@@ -313,6 +311,7 @@ class Observation:
             swap_blocks=_opt_int(f.get("kvtune_swap_num_blocks", agg="max") or _dig(st, "swap", "total")),
             swap_usage_peak=float(f.get("kvtune_swap_usage_ratio", agg="max") or 0.0),
             memory=mem,
+            quantiles="histogram",
             queue_time_p50_s=f.hist_quantile("kvtune_request_queue_time_seconds", 0.5),
             queue_time_p95_s=f.hist_quantile("kvtune_request_queue_time_seconds", 0.95),
             queue_time_p99_s=f.hist_quantile("kvtune_request_queue_time_seconds", 0.99),
@@ -443,22 +442,9 @@ class MetricFigures:
         return sorted(acc.items())
 
     def hist_quantile(self, name: str, q: float) -> float:
-        """Prometheus' histogram_quantile: linear interpolation inside the bucket (0 when empty)."""
-        bs = self.buckets(name)
-        if not bs or bs[-1][1] <= 0:
-            return 0.0
-        total = bs[-1][1]
-        rank = q * total
-        prev_le, prev_c = 0.0, 0.0
-        for le, c in bs:
-            if c >= rank:
-                if math.isinf(le):
-                    return prev_le
-                if c == prev_c:
-                    return le
-                return prev_le + (le - prev_le) * (rank - prev_c) / (c - prev_c)
-            prev_le, prev_c = le, c
-        return prev_le
+        """An *estimate* of the q-quantile from the histogram's buckets (Prometheus' histogram_quantile,
+        ``kvtune_engine.quantile.bucket_quantile``; 0 when empty), not the exact ``percentile``."""
+        return bucket_quantile(self.buckets(name), q)
 
     def hist_cdf(self, name: str, x: float, default: float = 1.0) -> float:
         """Share of observations <= x (interpolated inside the bucket)."""

@@ -15,7 +15,8 @@ from pydantic import PrivateAttr
 
 from kvtune_engine.config import ConfigError, EngineConfig
 from kvtune_engine.sim.profile import Profile, SpeedTimeline
-from kvtune_engine.sim.simulator import SLO, percentile, simulate
+from kvtune_engine.quantile import percentile
+from kvtune_engine.sim.simulator import SLO, simulate
 from kvtune_engine.sim.trace import TraceRequest, parse_request
 from kvtune_engine.sim.vllm_policy import QUEUE_CLOCK, vllm_v1_config
 

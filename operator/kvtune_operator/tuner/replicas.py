@@ -10,95 +10,64 @@ Routers:
 - ``round-robin``: request i goes to replica i mod N (arrival order).
 - ``least-loaded``: each request goes to the replica with the fewest requests in flight (arrived and
   not finished) at its arrival, ties to the next replica in round-robin order. In-flight counts come
-  from the simulator itself: the N engines are stepped side by side in virtual time (``Replica``,
-  the same loop as ``simulate``), so a replica that is slow to drain gets fewer new requests.
+  from the simulator itself: the N engines are stepped side by side in virtual time (``Replica``:
+  the simulator's ``SimEngine`` and ``Replay``, the very loop and step costs of ``simulate``), so a
+  replica that is slow to drain, or on a slow stretch of the machine, gets fewer new requests.
 
 Pure: no clock, no I/O. About as fast as simulating the trace once per N tried.
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from kvtune_engine.config import EngineConfig
-from kvtune_engine.core.batch import StepOutput
-from kvtune_engine.core.request import Request, SamplingParams
-from kvtune_engine.core.scheduler import RequestRejected, Scheduler
+from kvtune_engine.quantile import percentile
+from kvtune_engine.request import Request
 from kvtune_engine.sim.profile import Profile
-from kvtune_engine.sim.runner import SimulatedRunner
-from kvtune_engine.sim.simulator import SLO, _Tokens, percentile, simulate
+from kvtune_engine.sim.simulator import SLO, simulate
+from kvtune_engine.sim.stepper import Replay, SimEngine
 from kvtune_engine.sim.trace import TraceRequest
 
 ROUTERS = ("round-robin", "least-loaded")
 
 
 class Replica:
-    """One engine stepped in virtual time exactly as ``simulate`` steps it, but fed one arrival at
-    a time, so a router can ask how many requests it has in flight at each arrival. Request j of a
-    replica gets the same synthetic tokens as request j of its share in ``simulate`` (``_Tokens``),
-    so prefix sharing, and with it every step, is the same."""
+    """One engine stepped in virtual time by the simulator's own ``Replay`` of a ``SimEngine`` (the
+    requests, steps and step costs of ``simulate``, machine speed included), fed one arrival at a
+    time, so a router can ask how many requests it has in flight at each arrival. Request j of a
+    replica is request j of its share in ``simulate``, so every step is the same."""
 
     def __init__(self, config: EngineConfig, profile: Profile) -> None:
-        size = profile.kv_cache_size(config)
-        self.sched = Scheduler(config, size.num_blocks, size.num_swap_blocks)
-        self.runner = SimulatedRunner(profile, size.block_bytes)
-        self.tokens = _Tokens()
-        self.pending: deque[tuple[int, TraceRequest]] = deque()
-        self.now: float | None = None
-        self.assigned = 0
-        self.finished = 0
+        self.replay = Replay(SimEngine(config, profile), on_done=self._finished,
+                             on_reject=lambda j, r: self._done(j, r.arrival_s))
+        self.assigned = self.finished = 0
         self.finish_s: dict[int, float] = {}     # local index -> finish (or rejection) time
-        self._last: list[float] = []             # finish times of the last step run
+        self._last = (float("-inf"), 0)          # (end, finishers) of the last step that finished any
 
     def add(self, r: TraceRequest) -> None:
         """Assign a request (arrivals in order, each at or after the previous one)."""
-        self.pending.append((self.assigned, r))
+        self.replay.feed(self.assigned, r)
         self.assigned += 1
 
     def in_flight(self, t: float) -> int:
         """Requests assigned, arrived by ``t`` and not finished at ``t`` (call ``advance(t)`` first).
         Only the last step run can end after ``t``: its finishers still count."""
-        return self.assigned - self.finished + sum(1 for f in self._last if f > t)
+        end, n = self._last
+        return self.assigned - self.finished + (n if end > t else 0)
 
     def advance(self, t: float) -> None:
         """Run every step that starts before ``t`` (a step starting at ``t`` may admit an arrival at ``t``)."""
-        sched = self.sched
-        while True:
-            if self.now is None:
-                if not self.pending:
-                    return
-                self.now = self.pending[0][1].arrival_s
-            if self.now >= t:
-                return
-            while self.pending and self.pending[0][1].arrival_s <= self.now:
-                j, r = self.pending.popleft()
-                req = Request(self.tokens.prompt(j, r), SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
-                              arrival_s=r.arrival_s, request_id=f"r{j}", prefix_group=r.prefix_group)
-                try:
-                    sched.add_request(req)
-                except RequestRejected:
-                    self._done([j], r.arrival_s)
-            if not sched.has_unfinished():
-                if not self.pending:
-                    return
-                self.now = self.pending[0][1].arrival_s
-                continue
-            batch = sched.schedule(self.now)
-            if batch.empty:
-                done = sched.update(batch, StepOutput([], 0.0), self.now)
-            else:
-                out = self.runner.execute(batch)
-                self.now += out.duration_s
-                done = sched.update(batch, out, self.now)
-            self._last = []
-            self._done([int(d.request_id[1:]) for d in done], self.now)
+        self.replay.advance(t)
 
-    def _done(self, idx: list[int], at: float) -> None:
-        for j in idx:
-            self.finish_s[j] = at
-            self._last.append(at)
-        self.finished += len(idx)
+    def _finished(self, done: list[Request], end: float) -> None:
+        for d in done:
+            self._done(int(d.request_id[1:]), end)
+        self._last = (end, len(done))
+
+    def _done(self, j: int, at: float) -> None:
+        self.finish_s[j] = at
+        self.finished += 1
 
 
 def route(trace: Sequence[TraceRequest], n: int, router: str, config: EngineConfig | None = None,
