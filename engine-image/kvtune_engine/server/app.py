@@ -10,8 +10,6 @@ generation.py; the endpoints, one router per concern, in openai_api.py, health.p
 """
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -31,37 +29,25 @@ __all__ = ["ServerSettings", "create_app"]
 def create_app(engine: LLMEngine, settings: ServerSettings | None = None, *, config_watcher: Any = None,
                on_fatal: Callable[[BaseException], None] | None = None) -> FastAPI:
     ctx = ServerContext(engine, settings or ServerSettings(), config_watcher=config_watcher, on_fatal=on_fatal)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        ctx.async_engine.start(asyncio.get_running_loop())
-        if config_watcher is not None:
-            config_watcher.start(ctx.async_engine)
-        try:
-            yield
-        finally:
-            if config_watcher is not None:
-                config_watcher.stop()
-            ctx.async_engine.stop()
-            ctx.pool.shutdown(wait=False, cancel_futures=True)
-
-    app = FastAPI(title="kvtune engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="kvtune engine", lifespan=ctx.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.ctx = ctx
     s = ctx.settings
     app.add_middleware(AuthMiddleware, api_key=s.api_key, admin_key=s.admin_key, admin_port=s.admin_port)
     app.add_middleware(BodyDrainMiddleware)  # outermost: every early refusal is readable
-    for r in (openai_api.router, health.router, admin_api.router):
-        app.include_router(r)
-
-    @app.exception_handler(P.HTTPError)
-    async def http_error(request: Request, e: P.HTTPError):
-        return error_response(e)
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_query(request: Request, e: RequestValidationError):
-        err = e.errors()[0] if e.errors() else {}
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "path", "body"))
-        return error_response(P.HTTPError(400, f"{loc}: {err.get('msg', 'invalid')}", param=loc or None,
-                                          code="invalid_parameter"))
-
+    for router in (openai_api.router, health.router, admin_api.router):
+        app.include_router(router)
+    app.add_exception_handler(P.HTTPError, _http_error)
+    app.add_exception_handler(RequestValidationError, _bad_query)
     return app
+
+
+async def _http_error(request: Request, e: P.HTTPError):
+    return error_response(e)
+
+
+async def _bad_query(request: Request, e: RequestValidationError):
+    """A query or path parameter of the wrong type: a 400 naming it, not FastAPI's 422 dump."""
+    err = e.errors()[0] if e.errors() else {}
+    loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("query", "path", "body"))
+    return error_response(P.HTTPError(400, f"{loc}: {err.get('msg', 'invalid')}", param=loc or None,
+                                      code="invalid_parameter"))

@@ -40,10 +40,6 @@ class ServerSettings:
         self.input_workers = input_workers or min(4, os.cpu_count() or 1)
 
 
-class ClientDisconnected(Exception):
-    """The client went away before its response was ready (its requests are aborted)."""
-
-
 @dataclass
 class Job:
     """One choice to generate: checked prompt ids and params, the echoed prompt, its prompt's index."""
@@ -84,6 +80,20 @@ class ServerContext:
         self.async_engine = AsyncEngine(engine, max_waiting=settings.max_waiting, on_fatal=on_fatal)
         self.pool = concurrent.futures.ThreadPoolExecutor(settings.input_workers, thread_name_prefix="kvtune-input")
         self.tok_str = engine.tokenizer.token_str if engine.tokenizer else str
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Any):
+        """The engine loop and the config file watcher run while the app serves."""
+        self.async_engine.start(asyncio.get_running_loop())
+        if self.config_watcher is not None:
+            self.config_watcher.start(self.async_engine)
+        try:
+            yield
+        finally:
+            if self.config_watcher is not None:
+                self.config_watcher.stop()
+            self.async_engine.stop()
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     def check_capacity(self, n_new: int) -> None:
         s, aeng = self.settings, self.async_engine
@@ -131,25 +141,23 @@ class ServerContext:
             if not st.finished:
                 self.async_engine.abort(st.request_id)
 
-    async def wait_all(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
-        """Collect the final output of each stream; abort all if the client goes away."""
-        async def collect(st: RequestStream) -> RequestOutput:
-            last = None
+    async def wait_all(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput] | None:
+        """The final output of each stream, or None if the client went away first (all are aborted)."""
+        async def last(st: RequestStream) -> RequestOutput | None:
+            out = None
             async for out in st:
-                last = out
-            return last
+                pass
+            return out
 
         async def disconnected() -> None:
             while (await request.receive())["type"] != "http.disconnect":
                 pass
 
-        gather = asyncio.ensure_future(asyncio.gather(*(collect(st) for st in streams)))
+        gather = asyncio.ensure_future(asyncio.gather(*map(last, streams)))
         watch = asyncio.ensure_future(disconnected())
         try:
-            done, _ = await asyncio.wait({gather, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if gather in done:
-                return gather.result()
-            raise ClientDisconnected()
+            await asyncio.wait({gather, watch}, return_when=asyncio.FIRST_COMPLETED)
+            return gather.result() if gather.done() else None
         finally:
             watch.cancel()
             if not gather.done():
@@ -157,7 +165,6 @@ class ServerContext:
                 with contextlib.suppress(BaseException):
                     await gather
             self.abort_unfinished(streams)
-
 
 async def _context(request: Request) -> ServerContext:  # async: resolved on the loop, no thread hop
     return request.app.state.ctx

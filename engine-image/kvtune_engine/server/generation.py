@@ -1,6 +1,6 @@
 """One response path for generation, streamed or not, shared by completions and chat: each endpoint
-supplies only how its choices look (a ``Shape``); limits, waiting, disconnects, errors, usage and
-the stream's framing are here once, so the two endpoints cannot drift apart."""
+supplies only what it says differently (a ``Shape``); parsing, limits, waiting, disconnects, errors,
+usage and the stream's framing are here once, so the two endpoints cannot drift apart."""
 from __future__ import annotations
 
 import asyncio
@@ -11,40 +11,49 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from ..engine import InvalidRequest
 from ..outputs import RequestOutput
 from . import protocol as P
 from .async_engine import RequestStream
-from .context import ClientDisconnected, Job, ServerContext, error_response, failed, to_http
+from .context import Job, ServerContext, error_response, failed, to_http
 
 log = logging.getLogger("kvtune.server")
 
 
 class Shape:
-    """How one endpoint's choices look; the rest of a response is the same for every endpoint."""
+    """One endpoint's own part, in a subclass: ``Body`` (its request model); ``prepare(ctx, body)``
+    (its checks and the jobs of its choices, on the worker pool); ``choice(k, out)`` (choice k of a
+    whole response); ``stream_choices(k, out, first)`` (a streamed output's choices, each with the
+    output whose tokens its chunk's usage counts, or None)."""
     id_prefix: str
     object: str         # a whole response's "object"
     chunk_object: str   # a streamed chunk's "object"
+    Body: type
 
     def __init__(self, jobs: list[Job], token_str: Callable[[int], str]):
         self.jobs, self.token_str = jobs, token_str
         self.first_of_prompt = [k for k, j in enumerate(jobs) if k == 0 or jobs[k - 1].prompt_index != j.prompt_index]
-
-    def choice(self, k: int, out: RequestOutput) -> dict[str, Any]:
-        """Choice ``k`` of a whole response, from its final output."""
-        raise NotImplementedError
-
-    def stream_choices(self, k: int, out: RequestOutput, first: bool) -> list[tuple[dict[str, Any], Any]]:
-        """The chunks' choices for one streamed output, each with the output its usage counts (or None)."""
-        raise NotImplementedError
 
     def prompt_outputs(self, outs: dict[int, RequestOutput]) -> list[RequestOutput]:
         """The outputs whose cached prompt tokens the usage reports: the first choice of each prompt."""
         return [outs[k] for k in self.first_of_prompt if k in outs]
 
 
-async def generate(ctx: ServerContext, request: Request, prepare: Callable[..., Any], shape_of: type[Shape]) -> Response:
+def _prepare(ctx: ServerContext, shape: type[Shape], raw: bytes) -> tuple[Any, list[Job]]:
+    body = P.validate(shape.Body, P.parse_json(raw))
+    P.check_fields(body, ctx.served, ctx.names)
     try:
-        body, jobs = await ctx.off_loop(prepare, ctx, await ctx.read_body(request))
+        jobs = shape.prepare(ctx, body)
+    except InvalidRequest as e:
+        raise P.HTTPError.from_invalid(e) from None
+    P.check_logprob_volume([j.params for j in jobs], body.stream)
+    return body, jobs
+
+
+async def generate(ctx: ServerContext, request: Request, shape_of: type[Shape]) -> Response:
+    """The response to one generation request: parsed off the loop, refused before it is queued."""
+    try:
+        body, jobs = await ctx.off_loop(_prepare, ctx, shape_of, await ctx.read_body(request))
         ctx.check_capacity(len(jobs))
     except P.HTTPError as e:
         return error_response(e)
@@ -59,58 +68,58 @@ async def generate(ctx: ServerContext, request: Request, prepare: Callable[..., 
         return P.usage(prompt_tokens, sum(o.num_output_tokens for o in outs.values()),
                        ctx.cached(shape.prompt_outputs(outs)))
 
-    if body.stream:
-        inc_usage, cont_usage = P.include_usage(body), P.continuous_usage(body)
+    if not body.stream:
+        try:
+            outs = await ctx.wait_all(request, streams)
+        except Exception as e:  # noqa: BLE001
+            return error_response(to_http(e))
+        if outs is None:
+            log.debug("client went away before %s was ready; aborted", rid)
+            return Response(status_code=499)
+        for out in outs:
+            if out.finish_reason == "error":
+                return error_response(failed(out))
+        return await ctx.json_off_loop(lambda: {**head, "choices": [shape.choice(k, o) for k, o in enumerate(outs)],
+                                                "usage": usage(dict(enumerate(outs)))})
 
-        def chunk(k: int, choice: dict[str, Any], out: RequestOutput | None) -> str:
-            c = {**head, "choices": [choice]}
-            if cont_usage:
-                c["usage"] = P.usage(len(jobs[k].ids), out.num_output_tokens if out else 0)
-            elif out is not None and out.finished and not inc_usage:
-                c["usage"] = P.usage(len(jobs[k].ids), out.num_output_tokens, ctx.cached([out]))
-            elif inc_usage:
-                c["usage"] = None
-            return P.sse(c)
+    inc_usage, cont_usage = P.include_usage(body), P.continuous_usage(body)
 
-        async def gen() -> AsyncIterator[str]:
-            done: dict[int, RequestOutput] = {}  # in the order they finished
-            started: set[int] = set()
-            try:
-                async for k, out in merge(streams):
-                    if out.finished and out.finish_reason == "error":
-                        yield P.sse(failed(out).body())
-                        break
-                    if not (out.new_token_ids or out.finished):  # one chunk per step with tokens, even
-                        continue  # when their text is held back: clients time tokens by chunks
-                    first = k not in started
-                    started.add(k)
-                    if out.finished:
-                        done[k] = out
-                    for choice, counted in shape.stream_choices(k, out, first):
-                        yield chunk(k, choice, counted)
-                else:
-                    if inc_usage:
-                        yield P.sse({**head, "choices": [], "usage": usage(done)})
-            except Exception as e:  # noqa: BLE001
-                yield P.sse(to_http(e).body())
-            finally:
-                ctx.abort_unfinished(streams)
-            yield P.SSE_DONE
+    def chunk(k: int, choice: dict[str, Any], out: RequestOutput | None) -> str:
+        c = {**head, "choices": [choice]}
+        if cont_usage:
+            c["usage"] = P.usage(len(jobs[k].ids), out.num_output_tokens if out else 0)
+        elif out is not None and out.finished and not inc_usage:
+            c["usage"] = P.usage(len(jobs[k].ids), out.num_output_tokens, ctx.cached([out]))
+        elif inc_usage:
+            c["usage"] = None
+        return P.sse(c)
 
-        return StreamingResponse(gen(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    async def events() -> AsyncIterator[str]:
+        done: dict[int, RequestOutput] = {}  # in the order they finished
+        started: set[int] = set()
+        try:
+            async for k, out in merge(streams):
+                if out.finished and out.finish_reason == "error":
+                    yield P.sse(failed(out).body())
+                    break
+                if not (out.new_token_ids or out.finished):  # one chunk per step with tokens, even
+                    continue  # when their text is held back: clients time tokens by chunks
+                first = k not in started
+                started.add(k)
+                if out.finished:
+                    done[k] = out
+                for choice, counted in shape.stream_choices(k, out, first):
+                    yield chunk(k, choice, counted)
+            else:
+                if inc_usage:
+                    yield P.sse({**head, "choices": [], "usage": usage(done)})
+        except Exception as e:  # noqa: BLE001
+            yield P.sse(to_http(e).body())
+        finally:
+            ctx.abort_unfinished(streams)
+        yield P.SSE_DONE
 
-    try:
-        outs = await ctx.wait_all(request, streams)
-    except ClientDisconnected:
-        log.debug("client went away before %s was ready; aborted", rid)
-        return Response(status_code=499)
-    except Exception as e:  # noqa: BLE001
-        return error_response(to_http(e))
-    for out in outs:
-        if out.finish_reason == "error":
-            return error_response(failed(out))
-    return await ctx.json_off_loop(lambda: {**head, "choices": [shape.choice(k, out) for k, out in enumerate(outs)],
-                                            "usage": usage(dict(enumerate(outs)))})
+    return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

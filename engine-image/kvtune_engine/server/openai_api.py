@@ -7,7 +7,6 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ..engine import InvalidRequest
 from ..outputs import RequestOutput
 from . import protocol as P
 from .chat import render_chat
@@ -38,16 +37,44 @@ async def model(model_id: str, ctx: Ctx):
 
 @router.post("/v1/completions")
 async def completions(request: Request, ctx: Ctx):
-    return await generate(ctx, request, prepare_completion, Completion)
+    return await generate(ctx, request, Completion)
 
 
 @router.post("/v1/chat/completions")
 async def chat(request: Request, ctx: Ctx):
-    return await generate(ctx, request, prepare_chat, ChatCompletion)
+    return await generate(ctx, request, ChatCompletion)
 
 
 class Completion(Shape):
-    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+    id_prefix, object, chunk_object, Body = "cmpl", "text_completion", "text_completion", P.CompletionBody
+
+    @staticmethod
+    def prepare(ctx: ServerContext, body: P.CompletionBody) -> list[Job]:
+        if body.best_of not in (None, body.n):
+            raise P.HTTPError(400, f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}",
+                              param="best_of", code="unsupported_parameter")
+        if body.echo and body.logprobs is not None:
+            raise P.HTTPError(400, "echo: echo together with logprobs is not supported yet (prompt logprobs are "
+                                   "not computed); drop one of them", param="echo", code="unsupported_parameter")
+        prompts = _prompt_list(body.prompt)
+        if len(prompts) * body.n > P.MAX_N:
+            raise P.HTTPError(400, f"prompt: {len(prompts)} prompts x n={body.n} choices exceeds {P.MAX_N}; "
+                                   f"split the batch", param="prompt")
+        base = P.sampling_from(body, max_tokens=body.max_tokens, default_max_tokens=16, logprobs=body.logprobs)
+        inputs, tokenizer = ctx.engine.inputs, ctx.engine.tokenizer
+        jobs: list[Job] = []
+        for i, prompt in enumerate(prompts):
+            ids: list[int] = []
+            for j, sp in enumerate(P.fan_out(base, body.n)):
+                if j == 0:
+                    ids = inputs.process(prompt, sp)
+                else:
+                    inputs.validate_sampling(sp)
+                echo = ""
+                if body.echo:
+                    echo = prompt if isinstance(prompt, str) else (tokenizer.decode(ids) if tokenizer else "")
+                jobs.append(Job(ids, sp, echo, i))
+        return jobs
 
     def _choice(self, k: int, text: str, lps, offsets, out: RequestOutput) -> dict[str, Any]:
         lp = P.completion_logprobs(lps, offsets, self.token_str, len(self.jobs[k].echo)) if lps is not None else None
@@ -62,7 +89,39 @@ class Completion(Shape):
 
 
 class ChatCompletion(Shape):
-    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+    id_prefix, object, chunk_object, Body = "chatcmpl", "chat.completion", "chat.completion.chunk", P.ChatBody
+
+    @staticmethod
+    def prepare(ctx: ServerContext, body: P.ChatBody) -> list[Job]:
+        if not body.messages:
+            raise P.HTTPError(400, "messages: at least one message is required", param="messages")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise P.HTTPError(400, "top_logprobs: only allowed with logprobs: true", param="top_logprobs",
+                              code="invalid_sampling_parameter")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
+            raise P.HTTPError(400, f"top_logprobs: must be in [0, 20], got {body.top_logprobs}",
+                              param="top_logprobs", code="invalid_sampling_parameter")
+        engine, inputs = ctx.engine, ctx.engine.inputs
+        try:
+            text = render_chat(engine.raw_tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
+                               add_generation_prompt=body.add_generation_prompt,
+                               template_kwargs=body.chat_template_kwargs)
+        except ValueError as e:
+            field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+            raise P.HTTPError(400, str(e), param=field) from None
+        ids = inputs.encode(text, "messages", add_special_tokens=False)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is None:  # OpenAI's default: as much as fits
+            max_tokens = max(1, engine.config.max_model_len - len(ids))
+        lp = (body.top_logprobs or 0) if body.logprobs else None
+        base = P.sampling_from(body, max_tokens=max_tokens, default_max_tokens=None, logprobs=lp)
+        jobs = []
+        for j, sp in enumerate(P.fan_out(base, body.n)):
+            inputs.validate_sampling(sp)
+            if j == 0:
+                inputs.check_prompt(ids, sp, "messages")
+            jobs.append(Job(ids, sp, "", 0))
+        return jobs
 
     def choice(self, k, out):
         return {"index": k, "message": {"role": "assistant", "content": out.text},
@@ -78,77 +137,6 @@ class ChatCompletion(Shape):
     def prompt_outputs(self, outs):
         """One prompt for all choices: streamed, the first to finish counts (dicts keep that order)."""
         return list(outs.values())[:1]
-
-
-def prepare_completion(ctx: ServerContext, raw: bytes) -> tuple[P.CompletionBody, list[Job]]:
-    body = P.validate(P.CompletionBody, P.parse_json(raw))
-    P.check_fields(body, ctx.served, ctx.names)
-    if body.best_of not in (None, body.n):
-        raise P.HTTPError(400, f"best_of: only best_of equal to n ({body.n}) is supported, got {body.best_of}",
-                          param="best_of", code="unsupported_parameter")
-    if body.echo and body.logprobs is not None:
-        raise P.HTTPError(400, "echo: echo together with logprobs is not supported yet (prompt logprobs are "
-                               "not computed); drop one of them", param="echo", code="unsupported_parameter")
-    prompts = _prompt_list(body.prompt)
-    if len(prompts) * body.n > P.MAX_N:
-        raise P.HTTPError(400, f"prompt: {len(prompts)} prompts x n={body.n} choices exceeds {P.MAX_N}; "
-                               f"split the batch", param="prompt")
-    base = P.sampling_from(body, max_tokens=body.max_tokens, default_max_tokens=16, logprobs=body.logprobs)
-    inputs, tokenizer = ctx.engine.inputs, ctx.engine.tokenizer
-    jobs: list[Job] = []
-    try:
-        for i, prompt in enumerate(prompts):
-            ids: list[int] = []
-            for j, sp in enumerate(P.fan_out(base, body.n)):
-                if j == 0:
-                    ids = inputs.process(prompt, sp)
-                else:
-                    inputs.validate_sampling(sp)
-                echo = ""
-                if body.echo:
-                    echo = prompt if isinstance(prompt, str) else (tokenizer.decode(ids) if tokenizer else "")
-                jobs.append(Job(ids, sp, echo, i))
-    except InvalidRequest as e:
-        raise P.HTTPError.from_invalid(e) from None
-    P.check_logprob_volume([j.params for j in jobs], body.stream)
-    return body, jobs
-
-
-def prepare_chat(ctx: ServerContext, raw: bytes) -> tuple[P.ChatBody, list[Job]]:
-    body = P.validate(P.ChatBody, P.parse_json(raw))
-    P.check_fields(body, ctx.served, ctx.names)
-    if not body.messages:
-        raise P.HTTPError(400, "messages: at least one message is required", param="messages")
-    if body.top_logprobs is not None and not body.logprobs:
-        raise P.HTTPError(400, "top_logprobs: only allowed with logprobs: true", param="top_logprobs",
-                          code="invalid_sampling_parameter")
-    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= 20:
-        raise P.HTTPError(400, f"top_logprobs: must be in [0, 20], got {body.top_logprobs}",
-                          param="top_logprobs", code="invalid_sampling_parameter")
-    engine, inputs = ctx.engine, ctx.engine.inputs
-    try:
-        text = render_chat(engine.raw_tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
-                           add_generation_prompt=body.add_generation_prompt, template_kwargs=body.chat_template_kwargs)
-    except ValueError as e:
-        field = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
-        raise P.HTTPError(400, str(e), param=field) from None
-    try:
-        ids = inputs.encode(text, "messages", add_special_tokens=False)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_tokens is None:  # OpenAI's default: as much as fits
-            max_tokens = max(1, engine.config.max_model_len - len(ids))
-        lp = (body.top_logprobs or 0) if body.logprobs else None
-        base = P.sampling_from(body, max_tokens=max_tokens, default_max_tokens=None, logprobs=lp)
-        jobs = []
-        for j, sp in enumerate(P.fan_out(base, body.n)):
-            inputs.validate_sampling(sp)
-            if j == 0:
-                inputs.check_prompt(ids, sp, "messages")
-            jobs.append(Job(ids, sp, "", 0))
-    except InvalidRequest as e:
-        raise P.HTTPError.from_invalid(e) from None
-    P.check_logprob_volume([j.params for j in jobs], body.stream)
-    return body, jobs
 
 
 def _prompt_list(prompt: Any) -> list[Any]:
