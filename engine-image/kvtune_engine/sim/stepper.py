@@ -43,6 +43,7 @@ class SimEngine:
         self.sched = Scheduler(config, size.num_blocks, size.num_swap_blocks)
         self.runner = SimulatedRunner(profile, size.block_bytes)
         self._groups: dict[str, list[int]] = {}
+        self._speed = profile.speed   # (the profile is frozen)
 
     def request(self, i: int, r: TraceRequest) -> Request:
         """Trace request ``r``, the ``i``-th of its trace, as the engine would receive it (id ``r{i}``)."""
@@ -80,9 +81,8 @@ class SimEngine:
                 raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
             return 0.0, done
         out = self.runner.execute(batch)
-        speed = self.profile.speed
-        if speed is not None:   # the machine as fast as it was at this time of the fitted window
-            out.duration_s *= speed.at(now)
+        if self._speed is not None:   # the machine as fast as it was at this time of the fitted window
+            out.duration_s *= self._speed.at(now)
         dt = out.duration_s
         if observe is not None:
             observe(batch, dt)
