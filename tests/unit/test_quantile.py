@@ -80,6 +80,7 @@ def test_a_histogram_estimate_is_named_as_one(replay):
     m = measured_figures(obs)
     v = judge(m, m, window_figures(window_summary(full, float("-inf"), SLO_)), 0.1)
     assert m[FROM_BUCKETS] == 1.0 and not v.like_with_like
-    assert "measured p95s are estimates from the engine's histogram buckets, predicted ones exact" in v.reason
+    assert "measured p95s (and the share within the objectives) are estimates from the engine's histogram " \
+           "buckets, predicted ones exact" in v.reason
     both = judge(m, m, m, 0.1)
     assert both.like_with_like and "histogram" not in both.reason

@@ -323,9 +323,9 @@ def judge(before: Mapping[str, float], measured: Mapping[str, float],
             reason += f"; measured goodput {perr:+.0%} vs predicted"
     like = not predicted or bool(measured.get(FROM_BUCKETS)) == bool(predicted.get(FROM_BUCKETS))
     if not like:
-        reason += ("; measured p95s are estimates from the engine's histogram buckets, predicted ones exact "
-                   "percentiles" if measured.get(FROM_BUCKETS) else
-                   "; measured p95s are exact percentiles, predicted ones estimates from histogram buckets")
+        reason += ("; measured p95s (and the share within the objectives) are estimates from the engine's "
+                   "histogram buckets, predicted ones exact" if measured.get(FROM_BUCKETS) else
+                   "; measured p95s are exact, predicted ones estimates from histogram buckets")
     return Verdict(keep, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr, like)
 
 
