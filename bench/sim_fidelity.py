@@ -73,6 +73,7 @@ import httpx
 
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.metrics import QUEUE_TIME_BUCKETS
+from kvtune_engine.quantile import bucket_counts, bucket_quantile
 from kvtune_engine.sim.scenarios import mix
 from kvtune_engine.sim.simulator import simulate
 from kvtune_engine.sim.trace import TraceRequest
@@ -197,13 +198,8 @@ class OnePassLoad(LoadGenerator):
 
 
 def bucket_median(values: list[float], bounds=QUEUE_TIME_BUCKETS) -> float:
-    """The median as Prometheus' histogram_quantile reads it from the engine's buckets."""
-    f = MetricFigures()
-    name = "kvtune_request_queue_time_seconds"
-    for b in list(bounds) + [float("inf")]:
-        le = "+Inf" if b == float("inf") else repr(float(b))
-        f.set(f"{name}_bucket", sum(1 for v in values if v <= b), le=le)
-    return f.hist_quantile(name, 0.5)
+    """The median as Prometheus' histogram_quantile reads it from the engine's buckets (an estimate)."""
+    return bucket_quantile(bucket_counts(values, bounds), 0.5)
 
 
 def warm_up(url: str, model: str) -> float:

@@ -56,6 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvtune_engine.quantile import bucket_counts, bucket_quantile  # noqa: E402
 from kvtune_engine.sim.profile import Profile  # noqa: E402
 from kvtune_engine.sim.simulator import simulate  # noqa: E402
 from kvtune_engine.sim.trace import TraceRequest  # noqa: E402
@@ -110,12 +111,8 @@ def step_samples(scrapes: list[tuple[float, MetricFigures]]):
 
 
 def bucketed_quantile(values: list[float], bounds: list[float], q: float) -> float:
-    """``q`` of ``values`` read through the histogram buckets ``bounds``, as Prometheus would."""
-    f = MetricFigures()
-    for le in bounds:
-        f.set(QUEUE + "_bucket", sum(1 for v in values if v <= le), le=str(le))
-    f.set(QUEUE + "_bucket", len(values), le="+Inf")
-    return f.hist_quantile(QUEUE, q)
+    """``q`` of ``values`` read through the histogram buckets ``bounds``, as Prometheus would (an estimate)."""
+    return bucket_quantile(bucket_counts(values, sorted(bounds)), q)
 
 
 def err(pred: float, real: float) -> float:
