@@ -46,6 +46,10 @@ class MetricsUnavailable(RuntimeError):
 class QueryFailed(RuntimeError):
     """A bounded GET failed; the message is a short fixed reason (a status code, never a response body)."""
 
+    def __init__(self, message: str, *, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
 
 def base_url(url: str) -> str:
     """A Prometheus base URL, normalized for the allowlist: ``scheme://host:port/path`` (lower-case
@@ -90,16 +94,19 @@ def _run(coro: Any) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
-def bounded_get_json(url: str, params: Mapping[str, Any] | None = None, *, headers: Mapping[str, str] | None = None,
-                     deadline_s: float = QUERY_DEADLINE_S, max_bytes: int = MAX_RESPONSE_BYTES) -> Any:
-    """GET `url` and parse its JSON, all of it within `deadline_s` of wall-clock time and at most
-    `max_bytes` of body; no redirect is followed. Raises QueryFailed with a short fixed reason."""
+def bounded_fetch(url: str, params: Mapping[str, Any] | None = None, *, headers: Mapping[str, str] | None = None,
+                  deadline_s: float = QUERY_DEADLINE_S, max_bytes: int = MAX_RESPONSE_BYTES, method: str = "GET",
+                  json_body: Any = None) -> bytes:
+    """One request (``method``, with ``json_body`` as its JSON body if given) and its whole answer's
+    body, all of it within `deadline_s` of wall-clock time and at most `max_bytes` of body; no redirect
+    is followed. Raises QueryFailed with a short fixed reason (``status``: the HTTP status, if one came)."""
     async def fetch() -> bytes:
         async with httpx.AsyncClient(timeout=deadline_s, follow_redirects=False,
                                      headers={"Accept-Encoding": "identity", **(headers or {})}) as client:
-            async with client.stream("GET", url, params=params) as r:
+            extra = {} if json_body is None else {"json": json_body}
+            async with client.stream(method, url, params=params, **extra) as r:
                 if r.status_code != 200:
-                    raise QueryFailed(f"HTTP {r.status_code}")
+                    raise QueryFailed(f"HTTP {r.status_code}", status=r.status_code)
                 if int(r.headers.get("content-length") or 0) > max_bytes:
                     raise QueryFailed(f"the response is larger than {max_bytes} bytes")
                 body = bytearray()
@@ -110,11 +117,18 @@ def bounded_get_json(url: str, params: Mapping[str, Any] | None = None, *, heade
                 return bytes(body)
 
     try:
-        body = _run(asyncio.wait_for(fetch(), deadline_s))
+        return _run(asyncio.wait_for(fetch(), deadline_s))
     except TimeoutError:
         raise QueryFailed(f"no complete answer within {deadline_s:g}s") from None
     except httpx.HTTPError as e:
         raise QueryFailed(f"{type(e).__name__}") from None
+
+
+def bounded_get_json(url: str, params: Mapping[str, Any] | None = None, *, headers: Mapping[str, str] | None = None,
+                     deadline_s: float = QUERY_DEADLINE_S, max_bytes: int = MAX_RESPONSE_BYTES) -> Any:
+    """GET `url` and parse its JSON, within `bounded_fetch`'s limits. Raises QueryFailed with a short
+    fixed reason."""
+    body = bounded_fetch(url, params, headers=headers, deadline_s=deadline_s, max_bytes=max_bytes)
     try:
         return json.loads(body)
     except ValueError:

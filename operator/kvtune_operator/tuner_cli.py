@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
 from kvtune_engine.config import ConfigError
 
 
-def _fail(msg: str) -> None:
+def _fail(msg: str) -> NoReturn:
     raise click.ClickException(msg)
 
 
@@ -22,16 +22,10 @@ def _fail(msg: str) -> None:
 # kvtune diagnose --url
 
 
-def _get(client: Any, url: str, path: str, **params: Any) -> Any:
-    import httpx
-
-    try:
-        r = client.get(url.rstrip("/") + path, params=params or None)
-    except httpx.HTTPError as e:
-        _fail(f"cannot reach the engine at {url}: {e}")
-    if r.status_code != 200:
-        _fail(f"{url}{path} answered HTTP {r.status_code}: {r.text[:200]}")
-    return r
+def _failed(url: str, e: Exception) -> NoReturn:
+    """An EngineError as the command's one error line (its message never holds a response body)."""
+    _fail(f"the engine at {url} answered {e}" if getattr(e, "status", None) is not None
+          else f"cannot reach the engine at {url}: {e}")
 
 
 def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limit: int = 2000,
@@ -43,14 +37,13 @@ def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limi
     A vLLM server (its /metrics has vllm: series only) is read from /metrics alone: returns a
     `VllmReading` (``.observation``, ``.assumed``) instead of an Observation; ``assume``: the
     `VllmAssumptions` for what vLLM does not export."""
-    import httpx
-
+    from .engine_client import EngineClient, EngineError
     from .tuner.observation import MetricFigures, Observation
     from .tuner.vllm_observation import VllmAssumptions, is_vllm, read_vllm, samples_of_scrapes
 
-    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-    with httpx.Client(timeout=timeout_s, headers=headers) as client:
-        scrape = lambda: MetricFigures.from_prometheus_text(_get(client, url, "/metrics").text)  # noqa: E731
+    engine = EngineClient(url, admin_key=admin_key, deadline_s=timeout_s)
+    try:
+        scrape = lambda: MetricFigures.from_prometheus_text(engine.metrics_text())  # noqa: E731
         started = time.monotonic()
         first = scrape()
         if is_vllm(first):
@@ -61,17 +54,16 @@ def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limi
             win = measured if window_s > 0 else _vllm_uptime(first)
             return read_vllm(figs, samples_of_scrapes(scrapes[1:] or scrapes), window_s=win,
                              assume=assume or VllmAssumptions(), slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
-        state0 = _get(client, url, "/kvtune/v1/state").json()
+        state0 = engine.state()
         scrapes, measured = _scrape_window(scrape, first, started, window_s, max(1, samples) if window_s > 0 else 0)
-        state = _get(client, url, "/kvtune/v1/state").json()
-        since = None
-        if window_s > 0:
-            since = float(state0.get("uptime_s", 0.0) or 0.0)
-        tr = _get(client, url, "/kvtune/v1/trace", limit=trace_limit, **({"since_s": since} if since else {}))
-        trace = tr.json().get("requests", [])
+        state = engine.state()
+        since = state0.uptime_s if window_s > 0 and state0.uptime_s else None
+        trace = engine.trace(limit=trace_limit, since_s=since).requests
+    except EngineError as e:
+        _failed(url, e)
     figs = MetricFigures.over_scrapes(scrapes)
-    win = measured if window_s > 0 else float(state.get("uptime_s", 0.0) or 0.0)
-    return Observation.from_metrics(figs, state=state, trace=trace or None, window_s=win,
+    win = measured if window_s > 0 else state.uptime_s
+    return Observation.from_metrics(figs, state=state.raw, trace=trace or None, window_s=win,
                                     slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
 
 

@@ -28,13 +28,13 @@ from .effective import (AutotunePlan, baseline_config, effective_engine, frozen_
 from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, EngineKnobs,
                     Figures, InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningDecision,
                     TuningStatus, parse_duration, to_camel_dict)
-from .prometheus import (MAX_RESPONSE_BYTES, MetricsUnavailable, QueryFailed, bounded_get_json, check_allowed,
-                         pod_host, pod_ips, read_window)
+from .engine_client import EngineClient, EngineError
+from .prometheus import MAX_RESPONSE_BYTES, MetricsUnavailable, check_allowed, pod_host, pod_ips, read_window
 from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
 from .rollout import rollout_failure, rollout_pending
 from .scaling import autoscaler_of, replica_target, replicas_needed
-from .tuner.backlog import WindowTrace, in_engine
+from .tuner.backlog import in_engine
 from .tuner.candidates import Bounds
 from .tuner.decide import Decision, Objectives, knob_changes, window_figures
 from .tuner.loop import Round, TunerSettings, measured_figures, tune_round
@@ -112,15 +112,12 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
         if pod_host(url) not in pods:  # Prometheus' word is no proof: only our own pods get the key
             errors.append(f"{inst[:80]}: not an IP of this InferenceDeployment's pods, not contacted")
             continue
+        # the admin API answers only the admin key of the operator's Secret <name>-admin-key; the
+        # client too refuses to send it to any host but our pods
+        engine = EngineClient(url, admin_key=admin_key, key_only_to=pods, deadline_s=timeout_s, max_bytes=max_bytes)
         try:
-            # the admin API answers only the admin key of the operator's Secret <name>-admin-key
-            headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-
-            def get(path: str, _base: str = url, **params: Any) -> Any:
-                return bounded_get_json(f"{_base}{path}", params or None, headers=headers, deadline_s=timeout_s,
-                                        max_bytes=max_bytes)
-            state = get("/kvtune/v1/state")
-            uptime = float(state.get("uptime_s") or 0.0)
+            state = engine.state()
+            uptime = state.uptime_s
             if uptime < MIN_WINDOW_S:
                 young.append(f"{inst} started {uptime:.0f}s ago")
                 continue
@@ -134,17 +131,16 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
             since = max(0.0, uptime - window)
             # the replays run the requests still queued or running too (``backlog``); the
             # window's own figures only the finished ones, as the engine's histograms do
-            wt = WindowTrace.split(get("/kvtune/v1/trace", since_s=max(0.0, since - window), limit=10000,
-                                       unfinished="true"), since)
-            steps = get("/kvtune/v1/steps", limit=2000)
-        except (QueryFailed, ValueError, TypeError, KeyError, AttributeError) as e:
-            errors.append(f"{url}: {e if isinstance(e, QueryFailed) else 'not an engine answer'}")
+            wt = engine.trace(since_s=max(0.0, since - window), limit=10000, unfinished=True).split(since)
+            steps = engine.steps(limit=2000)
+        except EngineError as e:  # a short fixed reason: no part of the engine's answer
+            errors.append(f"{url}: {e}")
             continue
         objectives = tuner_settings(spec, plan).objectives
-        obs = Observation.from_metrics(w.figures, state=state, trace=wt.finished, window_s=window,
+        obs = Observation.from_metrics(w.figures, state=state.raw, trace=wt.finished, window_s=window,
                                        slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s)
         # the step log gives the cost fit one sample per step (the histograms only their means)
-        return Gathered(obs.with_engine_steps(steps.get("steps", [])), wt.trace, window, lead=wt.lead,
+        return Gathered(obs.with_engine_steps(steps.steps), wt.trace, window, lead=wt.lead,
                         window_start=since)
     if young:
         raise MetricsUnavailable("WindowTooShort", f"the engine started less than {MIN_WINDOW_S:.0f}s ago "

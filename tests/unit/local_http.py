@@ -35,3 +35,35 @@ def serving(answer: Callable[[str], tuple[bytes, str] | None]) -> Iterator[str]:
         yield f"http://127.0.0.1:{srv.server_address[1]}"
     finally:
         srv.shutdown()
+
+
+@contextmanager
+def handling(handle: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[tuple[str, list[dict]]]:
+    """A loopback server whose every GET and PATCH is answered by ``handle(request handler)`` (status,
+    headers, body: all its own, so it can drip, flood or fail); yields (base URL, the requests it
+    got: method, path, headers, body)."""
+    seen: list[dict] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _any(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            seen.append({"method": self.command, "path": self.path, "headers": dict(self.headers),
+                         "body": self.rfile.read(n) if n else b""})
+            try:
+                handle(self)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
+        do_GET = do_PATCH = _any  # noqa: N815
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}", seen
+    finally:
+        srv.shutdown()
+        srv.server_close()

@@ -19,12 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-import httpx
-
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.sim.scenarios import mix
 
-from ..tuner.backlog import WindowTrace
+from ..engine_client import EngineClient
 from ..tuner.candidates import Bounds, Range
 from ..tuner.decide import Objectives, knob_changes, window_figures
 from ..tuner.loop import Round, Tuner, TunerSettings
@@ -128,17 +126,19 @@ class Demo:
         if old is not None:
             old.stop()
         self.monitor.reset_baseline()
-        st = httpx.get(f"{eng.url}/kvtune/v1/state", timeout=5).json()
-        self.state.config, self.state.num_blocks = st["config"], st["blocks"]["total"]
+        st = self.admin().state()
+        self.state.config, self.state.num_blocks = st.config, st.num_blocks
+
+    def admin(self) -> EngineClient:
+        """The running engine's admin API (on loopback: the demo's engine has no admin key)."""
+        return EngineClient(self.engine.url if self.engine else "http://127.0.0.1:9")
 
     def apply(self, current: EngineConfig, new: EngineConfig) -> None:
         changes = knob_changes(current, new)
         if current.restart_changes(new):
             self.start_engine(new)  # restart knobs: a new engine process (a rollout in a cluster)
         else:
-            r = httpx.patch(f"{self.engine.url}/kvtune/v1/config", json=changes, timeout=10)
-            r.raise_for_status()
-            self.state.config = r.json()["config"]
+            self.state.config = self.admin().set_config(changes).config
 
     def calibrate(self) -> float:
         """This machine's speed against the reference one: the factor for every phase's request rate."""
@@ -157,15 +157,13 @@ class Demo:
     def observe(self, since: float) -> tuple[Observation, list[dict], list[dict], float]:
         """The window's observation and trace, the trace of the window before it (the backlog the
         window inherited is in it) and where the window starts, in the trace's clock."""
-        url = self.engine.url
-        with httpx.Client(timeout=10) as http:
-            state = http.get(f"{url}/kvtune/v1/state").json()
-            start = max(0.0, state["uptime_s"] - self.window_s)
-            wt = WindowTrace.split(http.get(f"{url}/kvtune/v1/trace", params={
-                "since_s": max(0.0, start - self.window_s), "unfinished": "true"}).json(), start)
-            steps = http.get(f"{url}/kvtune/v1/steps", params={"limit": 4000}).json()["steps"]
+        engine = self.admin()
+        state = engine.state()
+        start = max(0.0, state.uptime_s - self.window_s)
+        wt = engine.trace(since_s=max(0.0, start - self.window_s), unfinished=True).split(start)
+        steps = engine.steps(limit=4000).steps
         s = settings().objectives
-        obs = Observation.from_metrics(self.monitor.window(since), state=state, trace=wt.finished,
+        obs = Observation.from_metrics(self.monitor.window(since), state=state.raw, trace=wt.finished,
                                        window_s=self.now() - since, slo_ttft_s=s.slo_ttft_s, slo_tpot_s=s.slo_tpot_s)
         return obs.with_engine_steps(steps), wt.trace, wt.lead, start
 
