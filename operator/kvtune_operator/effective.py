@@ -20,6 +20,7 @@ from kvtune_engine.config import EngineConfig
 from kvtune_engine.knobs import TABLE
 from kvtune_operator.model import (
     KNOBS,
+    KNOBS_BY_CAMEL,
     TUNABLE_KNOBS,
     AutotuneMode,
     InferenceDeploymentSpec,
@@ -39,14 +40,25 @@ class Effective:
     baseline: EngineConfig
     tuned: dict[str, Any]
     dropped: dict[str, str]
+    #: knobs the spec leaves to the engine (`left_to_engine`): not rendered, and not in status, where
+    #: the config's default would claim a value the engine does not run
+    omitted: frozenset[str] = frozenset()
 
     def status_engine(self) -> dict[str, Any]:
-        """status.engine (camelCase; an unset knob is None, which a merge patch deletes)."""
-        return to_camel_dict(self.config.model_dump())
+        """status.engine (camelCase; an unset or omitted knob is None, which a merge patch deletes)."""
+        return to_camel_dict({k: None if k in self.omitted else v for k, v in self.config.model_dump().items()})
 
     def status_baseline(self) -> dict[str, Any]:
-        """status.baseline (camelCase; an unset knob is None, which a merge patch deletes)."""
-        return to_camel_dict(self.baseline.model_dump())
+        """status.baseline (camelCase; an unset or omitted knob is None, which a merge patch deletes)."""
+        return to_camel_dict({k: None if k in self.omitted else v for k, v in self.baseline.model_dump().items()})
+
+
+def left_to_engine(spec: InferenceDeploymentSpec, config: EngineConfig) -> frozenset[str]:
+    """Knobs the engine takes from the model (the knob table's ``from_model``): unset in spec.engine
+    and untouched in ``config``. Only the engine knows their value (max_model_len: the model's context
+    length), so the operator neither renders nor reports one."""
+    return frozenset(k.name for k in TABLE if k.from_model and getattr(spec.engine, k.name, None) is None
+                     and getattr(config, k.name) == EngineConfig.model_fields[k.name].default)
 
 
 def autotune_mode(spec: InferenceDeploymentSpec, default: AutotuneMode | str) -> AutotuneMode:
@@ -141,10 +153,11 @@ def effective_engine(spec: InferenceDeploymentSpec, status: InferenceDeploymentS
             tuned[knob] = value
     if tuned:
         try:
-            return Effective(EngineConfig.build(**merged), base, tuned, dropped)
+            config = EngineConfig.build(**merged)
+            return Effective(config, base, tuned, dropped, left_to_engine(spec, config))
         except ValueError as e:
             dropped.update({k: f"tuned values are inconsistent with the spec: {e}" for k in tuned})
-    return Effective(base, base, {}, dropped)
+    return Effective(base, base, {}, dropped, left_to_engine(spec, base))
 
 
 def tuned_status(spec: InferenceDeploymentSpec, current: EngineConfig, changes: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +170,10 @@ def tuned_status(spec: InferenceDeploymentSpec, current: EngineConfig, changes: 
             raise ValueError(f"{KNOBS.get(knob, knob)}={value!r} is outside the bounds or frozen")
     new = current.with_changes(**changes)
     base = baseline_config(spec)
+    omit = left_to_engine(spec, new)
     return {
-        "engine": {k: v for k, v in to_camel_dict(new.model_dump()).items() if v is not None},
-        "baseline": {k: v for k, v in to_camel_dict(base.model_dump()).items() if v is not None},
+        "engine": {k: v for k, v in to_camel_dict(new.model_dump()).items() if v is not None
+                   and KNOBS_BY_CAMEL.get(k) not in omit},
+        "baseline": {k: v for k, v in to_camel_dict(base.model_dump()).items() if v is not None
+                     and KNOBS_BY_CAMEL.get(k) not in omit},
     }

@@ -89,8 +89,10 @@ def knob_change_events(previous: dict[str, Any] | None, effective: Effective, co
     """Events for knobs whose effective value changed since status.engine (camelCase) was written."""
     if not previous:
         return []
-    new = effective.config.model_dump()
-    old = {KNOBS_BY_CAMEL[k]: v for k, v in previous.items() if k in KNOBS_BY_CAMEL}
+    new = {k: v for k, v in effective.config.model_dump().items() if k not in effective.omitted}  # as status says
+    old = {KNOBS_BY_CAMEL[k]: v for k, v in previous.items() if k in KNOBS_BY_CAMEL
+           # an earlier operator wrote the config's default for a knob left to the engine: nothing changed
+           and not (KNOBS_BY_CAMEL[k] in effective.omitted and v == getattr(effective.config, KNOBS_BY_CAMEL[k]))}
     changed = [k for k in KNOBS if k in old and old.get(k) != new.get(k) or k not in old and new.get(k) is not None]
 
     def line(k: str) -> str:

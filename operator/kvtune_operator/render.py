@@ -33,6 +33,7 @@ import jinja2
 import yaml
 
 from kvtune_engine.config import RESTART_KNOBS, EngineConfig
+from kvtune_operator.effective import left_to_engine
 from kvtune_operator.model import API_VERSION, KIND, InferenceDeployment
 from kvtune_operator.pod_stop import DRAIN_TIMEOUT_S, PRESTOP_SLEEP_S, TERMINATION_GRACE_S
 from kvtune_operator.render_vllm import VLLM_COMMAND, vllm_args, vllm_restart_hash
@@ -206,11 +207,9 @@ def _render(template: str, context: dict[str, Any]) -> dict[str, Any]:
 
 
 def _left_to_engine(infd: InferenceDeployment, config: EngineConfig) -> frozenset[str]:
-    """max_model_len unset in the spec (and untouched): the engine takes the model's context length."""
-    if infd.spec.engine.max_model_len is None and \
-            config.max_model_len == EngineConfig.model_fields["max_model_len"].default:
-        return frozenset({"max_model_len"})
-    return frozenset()
+    """Knobs not rendered: max_model_len unset in the spec (and untouched), the engine takes the model's
+    context length (`effective.left_to_engine`, the same rule status.engine follows)."""
+    return left_to_engine(infd.spec, config)
 
 
 def render_admin_secret(infd: InferenceDeployment, admin_key: str) -> dict[str, Any]:

@@ -124,9 +124,9 @@ def test_chart_upgrade_during_a_restart_rollout_keeps_requests_and_status_true(
         # is at its bound: the tuner itself has nothing to change, the one decision is the user's.
         device = weights_bytes(model) / 0.1 / 2**30
         body = yaml.safe_load(infd(
-            # maxModelLen given: left unset, the engine takes the model's context length (4096 here) while
-            # status.engine shows the table's default 8192 (a discrepancy of its own, not this test's)
-            name, model, engine={"maxNumSeqs": 8, "gpuMemoryUtilization": 0.3, "maxModelLen": 1024},
+            # maxModelLen left to the engine (the model's context length, 4096): status.engine must not claim
+            # the config's default 8192 for it (it did)
+            name, model, engine={"maxNumSeqs": 8, "gpuMemoryUtilization": 0.3},
             bounds={"gpuMemoryUtilization": {"min": 0.2, "max": 0.3}},
             extra_args=["--device-memory", f"{device:.9f}"]))
         body["spec"]["autotune"].update(

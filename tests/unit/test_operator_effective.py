@@ -116,3 +116,27 @@ def test_resolve_autotune_prefers_the_spec():
     plan = resolve_autotune(s, settings)
     assert (plan.mode, plan.interval_s, plan.window_s, plan.cooldown_s) == ("Apply", 10, 300, 60)
     assert plan.prometheus_url == "http://p:9090"
+
+
+def test_a_knob_left_to_the_engine_is_not_claimed_in_status():
+    """maxModelLen unset: the engine takes the model's context length, which only it knows; status.engine
+    must not show the config's default (8192) for it (an integration test saw 8192 there while the engine
+    ran the model's 4096). Set in the spec, it is rendered and reported as written."""
+    eff = effective_engine(spec(), None, "Apply")
+    assert eff.omitted == {"max_model_len"}
+    assert eff.status_engine()["maxModelLen"] is None and eff.status_baseline()["maxModelLen"] is None
+    assert "maxModelLen" not in tuned_status(spec(), eff.config, {"max_num_seqs": 160})["engine"]
+    given = effective_engine(spec({"maxNumSeqs": 64, "maxModelLen": 4096}), None, "Apply")
+    assert given.omitted == frozenset() and given.status_engine()["maxModelLen"] == 4096
+    assert tuned_status(spec({"maxNumSeqs": 64, "maxModelLen": 4096}), given.config,
+                        {"max_num_seqs": 160})["engine"]["maxModelLen"] == 4096
+
+
+def test_an_earlier_operator_default_for_an_omitted_knob_is_no_change_event():
+    from kvtune_operator.reconcile import knob_change_events
+
+    eff = effective_engine(spec(), None, "Apply")
+    claimed = {**{k: v for k, v in eff.status_engine().items() if v is not None}, "maxModelLen": 8192}
+    assert knob_change_events(claimed, eff, "cm", "dep") == []
+    assert knob_change_events({**claimed, "maxModelLen": 4096}, eff, "cm", "dep")[0].message.startswith(
+        "maxModelLen 4096 -> unset")
