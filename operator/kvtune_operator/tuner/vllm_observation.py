@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from kvtune_engine.config import EngineConfig
-from kvtune_engine.knobs import BLOCK_SIZES
+from kvtune_engine.knobs import BLOCK_SIZES, BY_NAME
 
 from .observation import GiB, LengthStats, MetricFigures, Observation
 from .synth_trace import synthesize_trace
 
-#: vLLM's defaults for the knobs it does not export (vllm serve, V1)
-VLLM_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "max_model_len": 8192}
+#: vLLM's defaults (the knob table's) for the knobs it does not export (vllm serve, V1)
+VLLM_DEFAULTS = {k: BY_NAME[k].vllm_value for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")}
 #: KV usage from which a capacity wait is put down to KV blocks
 KV_FULL = 0.90
 
@@ -200,7 +200,7 @@ def read_vllm(figures: MetricFigures, samples: Sequence[GaugeSample], *, window_
         kv_usage_mean=sum(usage) / len(usage), kv_usage_peak=max(usage),
         prefix_cache_hit_rate=(hits / queries) if hits is not None and queries else None,
         preemptions_recompute=pre,
-        memory=memory,
+        memory=memory, quantiles="histogram",
         queue_time_p50_s=q("vllm:request_queue_time_seconds", 0.5),
         queue_time_p95_s=q("vllm:request_queue_time_seconds", 0.95),
         queue_time_p99_s=q("vllm:request_queue_time_seconds", 0.99),
