@@ -8,9 +8,11 @@ server).
     step_sample  StepSample: one step's time and shape (what the fit reads, the observation carries)
     observation  Observation (one window) from a `kvtune sim --json` summary or from Prometheus-style
                  figures (MetricFigures) + the engine's state, trace and step log
+    thresholds   Thresholds: every figure diagnosis and the candidate moves compare against, one record
     diagnose     diagnose(obs) -> Diagnosis(cause, message, figures, knob, suggestion)
     memory       Safety, MemoryPicture: the measured device memory and what a candidate would get
-    candidates   Bounds, propose(), combine(), restart_lookahead(): every candidate the tuner predicts
+    candidates   Bounds, propose() (a table of movers, one per knob), combine(), restart_lookahead():
+                 every candidate the tuner predicts
     fit          fit_step_cost(): the simulator's step-cost model from the engine's step timings
     backlog      the requests still in the engine as trace records (estimated output lengths)
     predict      Predictor (simulator replays), profile_for()/fitted() (the engine's own profile)
@@ -22,7 +24,8 @@ from __future__ import annotations
 
 from .candidates import Bounds, Range
 from .decide import Decision, Objectives, Score, TunerState, Verdict, choose, judge, knob_changes, window_figures
-from .diagnose import CAUSES, Diagnosis, Thresholds, diagnose
+from .diagnose import CAUSES, Diagnosis, diagnose
+from .thresholds import Thresholds
 from .memory import MemoryPicture, Safety
 from .fit import StepCostFit, fit_step_cost
 from .loop import Round, SimRun, Tuner, TunerSettings, measure, simulate_loop, split_windows

@@ -1,6 +1,7 @@
 """Candidate configs around the current one, inside the user's bounds: all of the tuner's candidate
 generation (single-knob moves from the diagnosis and the observation, their combinations, and the
-live moves a restart makes room for).
+live moves a restart makes room for). Each knob has one small mover (``MOVERS``), reading its
+figures from the one ``Thresholds`` record diagnosis reads too.
 
 A candidate never asks for more device memory than the measured picture allows (memory.py).
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from kvtune_engine.config import RESTART_KNOBS, ConfigError, EngineConfig
 
@@ -16,6 +17,7 @@ from .bounds import CAMEL, Bounds, Range, knob_name  # noqa: F401 - re-exported
 from .decide import knob_changes
 from .memory import MemoryPicture, Safety, swap_needed_gib  # noqa: F401 - re-exported
 from .observation import Observation
+from .thresholds import Thresholds
 
 # ----------------------------------------------------------------------------------------------
 # Candidates
@@ -55,7 +57,7 @@ def _round_tokens(v: float, block_size: int) -> int:
     return max(block_size, int(round(v / block_size) * block_size))
 
 
-def seq_cap_fit(obs: Observation, cfg: EngineConfig | None = None, target_usage: float = 0.9) -> int | None:
+def seq_cap_fit(obs: Observation, cfg: EngineConfig | None = None, target_usage: float = Thresholds.seq_fit_kv_usage) -> int | None:
     """How many sequences fit in the KV cache at the window's blocks per running sequence."""
     cfg = cfg or obs.config
     running = obs.running_mean or obs.running_peak
@@ -75,32 +77,201 @@ def best_block_size(obs: Observation, allowed: Iterable[int], kernel_penalty: fl
     return min(scored)[2]
 
 
-#: Knobs `propose` moves by their own rules (watermark: never; it is decode headroom, not a target)
-_OWN_MOVES = frozenset({"max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
-                        "block_size", "gpu_memory_utilization", "swap_space", "watermark"})
+# ----------------------------------------------------------------------------------------------
+# Movers: one small function per knob (or cause), each yielding (why, changes) from the window.
+
+
+@dataclass(frozen=True)
+class Moves:
+    """What every mover reads of one window, computed once. ``cfg`` is the config the moves start
+    from (the observed one, brought inside the bounds)."""
+    obs: Observation
+    cfg: EngineConfig
+    bounds: Bounds
+    th: Thresholds
+    safety: Safety
+    mem: MemoryPicture | None
+    exhaustive: bool
+    tpot_missed: bool
+
+    def blocked(self, *reasons: str) -> float:
+        return sum(self.obs.waiting_cause_share.get(r, 0.0) for r in reasons)
+
+    @property
+    def pressure(self) -> bool:
+        """Blocks ran short: the head waited for them, a request was preempted, or KV filled up."""
+        o = self.obs
+        return (self.exhaustive or self.blocked("kv_blocks", "watermark") >= self.th.try_share
+                or o.preemptions > 0 or (o.kv_usage_peak or 0) >= self.th.kv_full)
+
+    def seqs(self, v: float) -> int:
+        return int(self.bounds.max_num_seqs.clamp(_round_seqs(v)))
+
+    def tokens(self, v: float) -> int:
+        return int(self.bounds.max_num_batched_tokens.clamp(_round_tokens(v, self.cfg.block_size)))
+
+
+Move = tuple[str, dict[str, Any]]
+
+
+def move_seqs(m: Moves) -> Iterable[Move]:
+    """Up when the cap stopped the head or every slot was busy (try_share, seq_up, seq_fit_kv_usage);
+    down under memory pressure or a missed TPOT (kv_full, seq_down)."""
+    cfg, th, vs = m.cfg, m.th, set()
+    if m.exhaustive or m.blocked("max_num_seqs") >= th.try_share or m.obs.running_peak >= cfg.max_num_seqs:
+        vs.update(cfg.max_num_seqs * f for f in th.seq_up)
+        fit = seq_cap_fit(m.obs, cfg, th.seq_fit_kv_usage)
+        if fit:
+            vs.add(fit)
+    if m.pressure or m.tpot_missed:
+        vs.update(cfg.max_num_seqs * f for f in th.seq_down)
+    for v in map(m.seqs, sorted(vs)):
+        yield f"max_num_seqs {cfg.max_num_seqs} -> {v}", {"max_num_seqs": v}
+
+
+def move_budget(m: Moves) -> Iterable[Move]:
+    """Half and double always (budget_steps), smaller with chunked prefill (budget_chunked_step);
+    more, and the p95 prompt, when the budget stopped the head (try_share, budget_blocked_step,
+    prompt_margin)."""
+    cfg, th, L = m.cfg, m.th, m.obs.lengths
+    ts = {cfg.max_num_batched_tokens * f for f in th.budget_steps}
+    if cfg.enable_chunked_prefill:
+        ts.add(cfg.max_num_batched_tokens * th.budget_chunked_step)
+    if m.exhaustive or m.blocked("token_budget") >= th.try_share:
+        ts.add(cfg.max_num_batched_tokens * th.budget_blocked_step)
+        if L is not None and L.count:
+            ts.add(L.prompt_p95 * th.prompt_margin)
+    for v in map(m.tokens, sorted(ts)):
+        yield f"max_num_batched_tokens {cfg.max_num_batched_tokens} -> {v}", {"max_num_batched_tokens": v}
+
+
+def move_smaller_batches(m: Moves) -> Iterable[Move]:
+    """TPOT misses its objective: fewer sequences and smaller prefill chunks together (smaller_batches)."""
+    cfg = m.cfg
+    if not (m.tpot_missed and cfg.enable_chunked_prefill):
+        return
+    for fs, ft in m.th.smaller_batches:
+        v, t = m.seqs(cfg.max_num_seqs * fs), m.tokens(cfg.max_num_batched_tokens * ft)
+        yield (f"smaller batches: max_num_seqs {cfg.max_num_seqs} -> {v}, max_num_batched_tokens "
+               f"{cfg.max_num_batched_tokens} -> {t}", {"max_num_seqs": v, "max_num_batched_tokens": t})
+
+
+def move_chunked_prefill(m: Moves) -> Iterable[Move]:
+    """On, with the current and a few common budgets (chunk_budgets); off, with a budget that covers
+    max_model_len (unchunked prefill must fit one step)."""
+    cfg, b = m.cfg, m.bounds
+    if not cfg.enable_chunked_prefill and True in b.enable_chunked_prefill:
+        for t in sorted({cfg.max_num_batched_tokens, *m.th.chunk_budgets}):
+            t = int(b.max_num_batched_tokens.clamp(t))
+            yield (f"enable_chunked_prefill -> True, max_num_batched_tokens -> {t}",
+                   {"enable_chunked_prefill": True, "max_num_batched_tokens": t})
+    elif cfg.enable_chunked_prefill and False in b.enable_chunked_prefill:
+        yield "enable_chunked_prefill -> False", {"enable_chunked_prefill": False,
+                                                  "max_num_batched_tokens": max(cfg.max_num_batched_tokens,
+                                                                                cfg.max_model_len)}
+
+
+def move_prefix_caching(m: Moves) -> Iterable[Move]:
+    """Off when hits are few (keep_hit_rate) or its blocks pin a short pool (cached_share); on when
+    prompts share prefixes (prefix_try_share)."""
+    obs, cfg, b, th, L = m.obs, m.cfg, m.bounds, m.th, m.obs.lengths
+    if cfg.enable_prefix_caching and False in b.enable_prefix_caching:
+        hit = obs.prefix_cache_hit_rate
+        pinned = max(obs.cached_blocks_share or 0.0, obs.shared_blocks_share or 0.0)
+        if m.exhaustive or (hit is not None and hit < th.keep_hit_rate) or (m.pressure and pinned >= th.cached_share):
+            yield "enable_prefix_caching -> False", {"enable_prefix_caching": False}
+    elif not cfg.enable_prefix_caching and True in b.enable_prefix_caching:
+        if m.exhaustive or (L is not None and L.prefix_share > th.prefix_try_share):
+            yield "enable_prefix_caching -> True", {"enable_prefix_caching": True}
+
+
+def move_block_size(m: Moves) -> Iterable[Move]:
+    """The neighbours and the least-waste size for the observed lengths (block_kernel_penalty), when
+    blocks ran short or the tail waste is large (fragmentation)."""
+    cfg, allowed = m.cfg, sorted(m.bounds.block_size)
+    if not (m.pressure or m.obs.internal_fragmentation_mean >= m.th.fragmentation):
+        return
+    i = allowed.index(cfg.block_size)
+    sizes = set(allowed[max(0, i - 1): i + 2])
+    bb = best_block_size(m.obs, allowed, kernel_penalty=m.th.block_kernel_penalty)
+    if bb:
+        sizes.add(bb)
+    for b in sorted(sizes - {cfg.block_size}):
+        yield f"block_size {cfg.block_size} -> {b}", {"block_size": b}
+
+
+def move_gpu_memory(m: Moves) -> Iterable[Move]:
+    """Down to the safe line when over it (always); up towards it under pressure (gpu_steps)."""
+    if m.mem is None:
+        return
+    r, u = m.bounds.gpu_memory_utilization, m.cfg.gpu_memory_utilization
+    umax = min(r.hi, m.mem.max_utilization(m.safety))
+    if u > umax + 1e-9:
+        v = round(max(r.lo, umax), 3)
+        yield f"gpu_memory_utilization {u} -> {v} (over the safe line)", {"gpu_memory_utilization": v}
+    elif m.pressure:
+        for v in sorted({*(u + s for s in m.th.gpu_steps), umax}):
+            v = round(min(umax, v), 3)
+            if v > u + 1e-9:
+                yield f"gpu_memory_utilization {u} -> {v}", {"gpu_memory_utilization": v}
+
+
+def move_swap_space(m: Moves) -> Iterable[Move]:
+    """From the pool and the observed swap volume, when the window swapped (swap_steps,
+    swap_first_gib, swap_need_steps, swap_step_gib)."""
+    obs, cfg, th = m.obs, m.cfg, m.th
+    if not (m.exhaustive or obs.preemptions_swap > 0 or obs.swap_full > 0):
+        return
+    need = swap_needed_gib(obs, m.safety)
+    sw = {cfg.swap_space * f for f in th.swap_steps} if cfg.swap_space > 0 else set(th.swap_first_gib)
+    if need is not None:
+        sw.update(need * f for f in th.swap_need_steps)
+    for v in sorted(sw):
+        v = m.bounds.swap_space.clamp(float(math.ceil(v / th.swap_step_gib) * th.swap_step_gib))
+        if abs(v - cfg.swap_space) > 1e-9:
+            yield f"swap_space {cfg.swap_space} -> {v}", {"swap_space": v}
+
+
+#: The movers, in the order their candidates are listed, each with the knobs it owns. Adding a
+#: mover is one entry; a knob no mover owns gets ``move_other``.
+MOVERS: tuple[tuple[frozenset[str], Callable[[Moves], Iterable[Move]]], ...] = (
+    (frozenset({"max_num_seqs"}), move_seqs),
+    (frozenset({"max_num_batched_tokens"}), move_budget),
+    (frozenset(), move_smaller_batches),
+    (frozenset({"enable_chunked_prefill"}), move_chunked_prefill),
+    (frozenset({"enable_prefix_caching"}), move_prefix_caching),
+    (frozenset({"block_size"}), move_block_size),
+    (frozenset({"gpu_memory_utilization"}), move_gpu_memory),
+    (frozenset({"swap_space"}), move_swap_space),
+)
+#: never moved: the watermark is decode headroom, not a target
+NOT_MOVED = frozenset({"watermark"})
+
+
+def move_other(m: Moves) -> Iterable[Move]:
+    """A tuned knob no mover owns (one just added to the knob table): its neighbouring choices, or
+    the ends of its range and other_steps; the prediction tells whether they help."""
+    owned = NOT_MOVED.union(*(knobs for knobs, _ in MOVERS))
+    for k, b in m.bounds.items():
+        if k.name in owned:
+            continue
+        v = getattr(m.cfg, k.name)
+        if isinstance(b, tuple):
+            i = b.index(v) if v in b else 0
+            opts = set(b[max(0, i - 1): i + 2])
+        else:
+            opts = {b.lo, b.hi, *(b.clamp(v * f) for f in m.th.other_steps)} if v is not None else {b.lo, b.hi}
+        for o in sorted(opts - {v}):
+            yield f"{k.name} {v} -> {o}", {k.name: k.type(o)}
 
 
 def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), cause: str | None = None,
             memory: MemoryPicture | None = None, slo_tpot_s: float | None = None,
-            exhaustive: bool = False, suggestion: Mapping[str, Any] | None = None) -> CandidateSet:
-    """Single-knob moves around the current config, in bounds, where the window shows a reason;
-    ``suggestion``: the knob values the diagnosis names (added last).
-
-    Each knob is moved only when the window's figures point at it (``exhaustive`` moves every knob):
-
-    * ``max_num_seqs`` up when the cap stopped the queue head or every slot was busy; down when
-      sequences were preempted, blocks ran short or TPOT missed its target;
-    * ``max_num_batched_tokens`` half and double always (cheap), more when the budget stopped the
-      head; to the 95th-percentile prompt when prompts are long;
-    * chunked prefill on/off; turning it on also tries smaller budgets (what makes it useful);
-    * prefix caching off when its hit rate is low or its blocks pin the pool; on when prompts share
-      prefixes;
-    * block size: the neighbours and the least-waste size for the observed lengths, when blocks ran
-      short or the tail waste is large;
-    * ``gpu_memory_utilization`` up to the safe line when blocks ran short or sequences were
-      preempted; down to the safe line when above it (always proposed);
-    * ``swap_space`` from the observed swap volume, when the window swapped;
-    * any other bounded knob (one new in the knob table): its neighbours, always.
+            exhaustive: bool = False, suggestion: Mapping[str, Any] | None = None,
+            thresholds: Thresholds = Thresholds()) -> CandidateSet:
+    """Single-knob moves around the current config, in bounds, where the window shows a reason (each
+    mover of ``MOVERS``, then ``move_other``; ``exhaustive`` moves every knob); ``suggestion``: the
+    knob values the diagnosis names, on the observed config (added last).
 
     A current config outside the bounds is first brought inside them (that config is a candidate
     itself, and the moves start from it). Combinations of moves that each help are made by the loop
@@ -110,120 +281,12 @@ def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), caus
     cfg = bounds.clamp(obs.config)
     if cfg != obs.config:
         out.add(cfg, "into the bounds")
-    mem = memory or MemoryPicture.from_observation(obs)
-    share = obs.waiting_cause_share
-    seqs_blocked = share.get("max_num_seqs", 0.0)
-    budget_blocked = share.get("token_budget", 0.0)
-    blocks_blocked = share.get("kv_blocks", 0.0) + share.get("watermark", 0.0)
-    pressure = exhaustive or blocks_blocked >= 0.02 or obs.preemptions > 0 or (obs.kv_usage_peak or 0) >= 0.95
-    L = obs.lengths
-
-    def move(why: str, **ch: Any) -> None:
-        out.add(_try(cfg, bounds, **ch), why)
-
-    # max_num_seqs
-    seqs: set[float] = set()
-    if exhaustive or seqs_blocked >= 0.02 or obs.running_peak >= cfg.max_num_seqs:
-        seqs.update(cfg.max_num_seqs * f for f in (1.5, 2.0, 4.0))
-        fit = seq_cap_fit(obs, cfg)
-        if fit:
-            seqs.add(fit)
-    if pressure or (slo_tpot_s is not None and obs.tpot_p95_s > slo_tpot_s):
-        seqs.update(cfg.max_num_seqs * f for f in (0.5, 0.75))
-    for v in sorted(seqs):
-        v = int(bounds.max_num_seqs.clamp(_round_seqs(v)))
-        move(f"max_num_seqs {cfg.max_num_seqs} -> {v}", max_num_seqs=v)
-
-    # max_num_batched_tokens (with chunked prefill off it must cover max_model_len)
-    toks = {cfg.max_num_batched_tokens * 0.5, cfg.max_num_batched_tokens * 2.0}
-    if cfg.enable_chunked_prefill:  # smaller prefill chunks: shorter stalls for the running decodes
-        toks.add(cfg.max_num_batched_tokens * 0.25)
-    if exhaustive or budget_blocked >= 0.02:
-        toks.add(cfg.max_num_batched_tokens * 4.0)
-        if L is not None and L.count:
-            toks.add(L.prompt_p95 * 1.1)
-    for v in sorted(toks):
-        v = int(bounds.max_num_batched_tokens.clamp(_round_tokens(v, cfg.block_size)))
-        move(f"max_num_batched_tokens {cfg.max_num_batched_tokens} -> {v}", max_num_batched_tokens=v)
-
-    # TPOT misses its target: smaller batches need both fewer sequences and smaller prefill chunks
-    # (either alone often moves the stall elsewhere), so these two move together
-    if slo_tpot_s is not None and obs.tpot_p95_s > slo_tpot_s and cfg.enable_chunked_prefill:
-        for fs, ft in ((0.25, 0.25), (0.5, 0.25), (0.5, 0.5)):
-            v = int(bounds.max_num_seqs.clamp(_round_seqs(cfg.max_num_seqs * fs)))
-            t = int(bounds.max_num_batched_tokens.clamp(_round_tokens(cfg.max_num_batched_tokens * ft, cfg.block_size)))
-            move(f"smaller batches: max_num_seqs {cfg.max_num_seqs} -> {v}, max_num_batched_tokens "
-                 f"{cfg.max_num_batched_tokens} -> {t}", max_num_seqs=v, max_num_batched_tokens=t)
-
-    # chunked prefill
-    if not cfg.enable_chunked_prefill and True in bounds.enable_chunked_prefill:
-        for t in sorted({cfg.max_num_batched_tokens, 2048, 4096, 8192}):
-            t = int(bounds.max_num_batched_tokens.clamp(t))
-            move(f"enable_chunked_prefill -> True, max_num_batched_tokens -> {t}",
-                 enable_chunked_prefill=True, max_num_batched_tokens=t)
-    elif cfg.enable_chunked_prefill and False in bounds.enable_chunked_prefill:
-        move("enable_chunked_prefill -> False", enable_chunked_prefill=False,
-             max_num_batched_tokens=max(cfg.max_num_batched_tokens, cfg.max_model_len))
-
-    # prefix caching
-    if cfg.enable_prefix_caching and False in bounds.enable_prefix_caching:
-        hit = obs.prefix_cache_hit_rate
-        pinned = max(obs.cached_blocks_share or 0.0, obs.shared_blocks_share or 0.0)
-        if exhaustive or (hit is not None and hit < 0.5) or (pressure and pinned >= 0.2):
-            move("enable_prefix_caching -> False", enable_prefix_caching=False)
-    elif not cfg.enable_prefix_caching and True in bounds.enable_prefix_caching:
-        if exhaustive or (L is not None and L.prefix_share > 0.1):
-            move("enable_prefix_caching -> True", enable_prefix_caching=True)
-
-    # block size: neighbours, and the least-waste size for the observed lengths
-    allowed = sorted(bounds.block_size)
-    if pressure or obs.internal_fragmentation_mean >= 0.1:
-        sizes = set()
-        i = allowed.index(cfg.block_size)
-        sizes.update(allowed[max(0, i - 1): i + 2])
-        bb = best_block_size(obs, allowed, kernel_penalty=0.02)
-        if bb:
-            sizes.add(bb)
-        for b in sorted(sizes - {cfg.block_size}):
-            move(f"block_size {cfg.block_size} -> {b}", block_size=b)
-
-    # gpu_memory_utilization: up to what the measured memory allows
-    if mem is not None:
-        umax = min(bounds.gpu_memory_utilization.hi, mem.max_utilization(safety))
-        u = cfg.gpu_memory_utilization
-        if u > umax + 1e-9:  # over the safe line: come down
-            v = round(max(bounds.gpu_memory_utilization.lo, umax), 3)
-            move(f"gpu_memory_utilization {u} -> {v} (over the safe line)", gpu_memory_utilization=v)
-        elif pressure:
-            for v in sorted({u + 0.05, u + 0.15, umax}):
-                v = round(min(umax, v), 3)
-                if v > u + 1e-9:
-                    move(f"gpu_memory_utilization {u} -> {v}", gpu_memory_utilization=v)
-
-    # swap space: from the observed swap volume
-    if exhaustive or obs.preemptions_swap > 0 or obs.swap_full > 0:
-        need = swap_needed_gib(obs, safety)
-        sw = {cfg.swap_space * 2, cfg.swap_space * 4} if cfg.swap_space > 0 else {1.0, 4.0}
-        if need is not None:
-            sw.update({need, need * 2})
-        for v in sorted(sw):
-            v = bounds.swap_space.clamp(float(math.ceil(v * 2) / 2))  # half GiB steps
-            if abs(v - cfg.swap_space) > 1e-9:
-                move(f"swap_space {cfg.swap_space} -> {v}", swap_space=v)
-    # a tuned knob the moves above do not know (one just added to the knob table): its neighbouring
-    # choices, or half, double and the ends of its range; the prediction tells whether they help
-    for k, b in bounds.items():
-        if k.name in _OWN_MOVES:
-            continue
-        v = getattr(cfg, k.name)
-        if isinstance(b, tuple):
-            i = b.index(v) if v in b else 0
-            opts = set(b[max(0, i - 1): i + 2])
-        else:
-            opts = {b.lo, b.hi, b.clamp(v * 0.5), b.clamp(v * 2)} if v is not None else {b.lo, b.hi}
-        for o in sorted(opts - {v}):
-            move(f"{k.name} {v} -> {o}", **{k.name: k.type(o)})
-    if suggestion:  # on the observed config itself, as the diagnosis computed it
+    m = Moves(obs, cfg, bounds, thresholds, safety, memory or MemoryPicture.from_observation(obs), exhaustive,
+              slo_tpot_s is not None and obs.tpot_p95_s > slo_tpot_s)
+    for mover in (*(f for _, f in MOVERS), move_other):
+        for why, ch in mover(m):
+            out.add(_try(cfg, bounds, **ch), why)
+    if suggestion:
         out.add(_try(obs.config, bounds, **suggestion), f"diagnosis: {dict(suggestion)}")
     return out
 

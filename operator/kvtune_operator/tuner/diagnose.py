@@ -40,34 +40,10 @@ from typing import Any
 from .candidates import CAMEL, Bounds, best_block_size, seq_cap_fit
 from .memory import MemoryPicture, Safety, swap_needed_gib
 from .observation import GiB, Observation
+from .thresholds import Thresholds  # noqa: F401 - re-exported
 
 CAUSES = ("SwapFull", "LongPromptHeadOfLine", "SequenceCap", "SharedPrefixPinning", "BlockWaste",
           "LowKVMemory", "PrefillStallsDecodes", "TokenBudget", "ComputeBound", "Healthy")
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    #: the head counts as blocked by a cause when that cause stopped it in at least this share of steps
-    blocked_share: float = 0.10
-    #: "KV mostly free" for the sequence cap
-    seq_cap_kv_usage: float = 0.70
-    #: a prompt is "long" when it is this many times the median prompt ...
-    long_prompt_ratio: float = 8.0
-    #: ... or at least this share of the token budget / of the KV cache
-    long_prompt_budget_share: float = 0.5
-    #: share of blocks held by the prefix cache (idle cached blocks) worth naming
-    cached_share: float = 0.20
-    #: prefix hit rate under which caching is not worth its pinned blocks
-    low_hit_rate: float = 0.30
-    #: internal fragmentation worth naming, and the relative saving a smaller block must bring
-    fragmentation: float = 0.15
-    waste_saving: float = 0.35
-    #: unused device memory worth naming (share of the device)
-    unused_memory_share: float = 0.03
-    #: preemptions per minute that count as memory pressure
-    preemptions_per_min: float = 1.0
-    #: p99 queue time (s) under which a window with no blocking is healthy
-    healthy_queue_p99_s: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -155,7 +131,7 @@ class Window:
 
 def swap_full(w: Window) -> Diagnosis | None:
     obs, cfg = w.obs, w.cfg
-    if not (obs.swap_full > 0 and (obs.swap_usage_peak >= 0.9 or cfg.swap_space == 0)):
+    if not (obs.swap_full > 0 and (obs.swap_usage_peak >= w.th.swap_full_usage or cfg.swap_space == 0)):
         return None
     need = swap_needed_gib(obs, w.safety)
     target = float(math.ceil(need)) if need else max(1.0, 2 * cfg.swap_space)
@@ -206,15 +182,15 @@ def sequence_cap(w: Window) -> Diagnosis | None:
     obs, cfg, th, seqs_share = w.obs, w.cfg, w.th, w.seqs_share
     if not (seqs_share >= th.blocked_share and seqs_share >= w.blocks_share and obs.kv_usage_mean < th.seq_cap_kv_usage):
         return None
-    fit = seq_cap_fit(obs) or cfg.max_num_seqs * 2
+    fit = seq_cap_fit(obs, target_usage=th.seq_fit_kv_usage) or cfg.max_num_seqs * 2
     demand = obs.running_peak + obs.waiting_peak
     if demand > cfg.max_num_seqs:  # no use raising it past what is there to run (plus a margin)
-        fit = min(fit, int(demand * 1.25))
+        fit = min(fit, int(demand * th.seq_demand_margin))
     fit = max(fit, cfg.max_num_seqs + 1)
     fit = int(fit if fit < 32 else fit // 16 * 16)
     fit = max(cfg.max_num_seqs, int(w.bounds.max_num_seqs.clamp(fit)))
     figs = {**w.common, "seq_cap_fit": fit, "blocked_share": round(seqs_share, 4)}
-    if obs.running_peak >= 0.9 * cfg.max_num_seqs:
+    if obs.running_peak >= th.cap_busy * cfg.max_num_seqs:
         where = f"{_n(obs.running_peak)} of {cfg.max_num_seqs} sequences running"
     else:  # the queue gauges missed the busy moments (one scrape): say what the counters saw
         where = f"the cap of {cfg.max_num_seqs} sequences stopped the queue head in {_pct(seqs_share)} of steps"
@@ -234,7 +210,8 @@ def shared_prefix_pinning(w: Window) -> Diagnosis | None:
     cached = obs.cached_blocks_share or 0.0
     shared = obs.shared_blocks_share or 0.0
     hit = obs.prefix_cache_hit_rate
-    prefix_heavy = L is not None and L.prefix_share >= 0.3 and L.prefix_tokens_mean >= 0.3 * max(1.0, L.prompt_p50)
+    prefix_heavy = (L is not None and L.prefix_share >= th.prefix_heavy_share
+                    and L.prefix_tokens_mean >= th.prefix_heavy_tokens * max(1.0, L.prompt_p50))
     # Idle cached blocks are evictable, hence allocatable: only blocks that running requests share
     # pin memory. Without a shared-block figure, idle cached blocks stand in for them only when the
     # trace shows shared prefixes (otherwise they are just recently freed blocks, e.g. after a
@@ -256,7 +233,7 @@ def shared_prefix_pinning(w: Window) -> Diagnosis | None:
             if u > cfg.gpu_memory_utilization:
                 sugg = {"gpu_memory_utilization": u}
                 fix = f"raising {CAMEL['gpu_memory_utilization']} to {u:g} makes room for the prefix and the requests"
-            elif hit is not None and hit < 0.6:
+            elif hit is not None and hit < th.keep_hit_rate:
                 fix = f"turning {CAMEL['enable_prefix_caching']} off frees them (hit rate {_pct(hit)})"
                 sugg, knob = {"enable_prefix_caching": False}, "enable_prefix_caching"
     figs = {**w.common, "cached_blocks_share": round(cached, 4), "shared_blocks_share": round(shared, 4),
@@ -345,7 +322,7 @@ def prefill_stalls_decodes(w: Window) -> Diagnosis | None:
         return None
     # ... and the queue is short: a long queue is an engine out of capacity (ComputeBound), where
     # smaller prefill chunks only trade TPOT for queueing
-    short = max(w.th.healthy_queue_p99_s, 0.5 * slo.ttft_s if slo.ttft_s is not None else 0.0)
+    short = max(w.th.healthy_queue_p99_s, w.th.stall_queue_ttft_share * slo.ttft_s if slo.ttft_s is not None else 0.0)
     if obs.queue_time_p95_s > short:
         return None
     decodes = max(1.0, obs.running_mean)
@@ -364,7 +341,7 @@ def prefill_stalls_decodes(w: Window) -> Diagnosis | None:
     slope = sum(s.weight * (s.batched_tokens - mx) * (s.duration_s - my) for s in obs.step_samples) / var if var else 0.0
     if slope <= 0:
         return None
-    fits = (0.9 * slo.tpot_s - (my - slope * mx)) / slope
+    fits = (w.th.tpot_headroom * slo.tpot_s - (my - slope * mx)) / slope
     budget = 2 ** int(math.floor(math.log2(fits))) if fits >= 1 else 0
     budget = int(w.bounds.max_num_batched_tokens.clamp(max(budget, 2 * cfg.block_size)))
     if budget >= cfg.max_num_batched_tokens:
@@ -414,7 +391,7 @@ def binding_limit(w: Window) -> Diagnosis:
     obs, cfg = w.obs, w.cfg
     dom, dshare = obs.dominant_cause()
     if dom == "max_num_seqs":
-        fit = seq_cap_fit(obs) or cfg.max_num_seqs
+        fit = seq_cap_fit(obs, target_usage=w.th.seq_fit_kv_usage) or cfg.max_num_seqs
         msg = (f"Requests wait on the sequence cap ({_pct(dshare)} of steps) with KV usage "
                f"{_pct(obs.kv_usage_mean)}: the cache is nearly as full as the cap allows; raising "
                f"{CAMEL['max_num_seqs']} needs more KV memory too.")

@@ -179,7 +179,7 @@ class Tuner:
     def candidates(self, obs: Observation, diag: Diagnosis) -> CandidateSet:
         s = self.settings
         cands = propose(obs, s.bounds, safety=s.safety, cause=diag.cause, slo_tpot_s=s.objectives.slo_tpot_s,
-                        suggestion=diag.suggestion)
+                        suggestion=diag.suggestion, thresholds=s.thresholds)
         cands.configs = [c for c in cands.configs if engine_takes(obs, c)]
         return cands
 
