@@ -9,7 +9,7 @@ from conftest_engine import TEST_FLAGS, run_server, set_test_threads, tiny_llama
 
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.engine import RestartRequired
-from kvtune_engine.kv.sizing import ActivationProfile
+from kvtune_engine.kv.sizing import LIVE_SEQS_HEADROOM, ActivationProfile
 from kvtune_engine.server.config_watch import _apply_on_engine
 
 
@@ -19,42 +19,47 @@ def device_engine(tiny_llama):  # noqa: F811
     from kvtune_engine.builder import build_engine
     set_test_threads()
     flags = {k: v for k, v in TEST_FLAGS.items() if k != "kv_cache_memory"}
-    cfg = EngineConfig.build(**{**flags, "max_num_batched_tokens": 256, "max_num_seqs": 8})
+    cfg = EngineConfig.build(**{**flags, "max_num_batched_tokens": 512, "max_num_seqs": 8})
     return build_engine(str(tiny_llama), cfg, device="cpu", seed=0, device_memory_gib=1.0)
 
 
 def test_profile_shape():
-    p = ActivationProfile.of(256, 8)
-    assert p.exceeded(256, 8) == {} and p.exceeded(128, 4) == {}
-    assert p.exceeded(512, 8) == {"max_num_batched_tokens": (256, 512)}
-    assert p.exceeded(256, 16) == {"max_num_seqs": (8, 16)}
+    p = ActivationProfile.of(1024, 8)
+    assert p.exceeded(1024, 8) == {} and p.exceeded(128, 4) == {}
+    assert p.exceeded(2048, 8) == {"max_num_batched_tokens": (1024, 2048)}
+    # the profile samples LIVE_SEQS_HEADROOM rows whatever the cap it started with: the usual live
+    # fix, a higher sequence cap, fits; past the headroom it does not
+    assert p.exceeded(1024, LIVE_SEQS_HEADROOM) == {}
+    assert p.exceeded(1024, 300) == {"max_num_seqs": (LIVE_SEQS_HEADROOM, 300)}
+    assert ActivationProfile.of(1024, 512).rows == 512
     # a step never has more sequences than tokens: the sampled rows are min(seqs, budget)
     assert ActivationProfile.of(16, 64).exceeded(16, 1024) == {}
 
 
 def test_live_raise_past_profile_is_refused_with_a_restart_message(device_engine):
     eng = device_engine
-    assert eng.activation_profile == ActivationProfile.of(256, 8)
-    assert eng.snapshot()["activation_profile"] == {"max_num_batched_tokens": 256, "max_num_seqs": 8}
+    assert eng.activation_profile == ActivationProfile.of(512, 8)
+    assert eng.snapshot()["activation_profile"] == {"max_num_batched_tokens": 512, "max_num_seqs": LIVE_SEQS_HEADROOM}
     before = eng.config.model_dump()
-    for change in ({"max_num_batched_tokens": 65536}, {"max_num_seqs": 9, "watermark": 0.05}):
+    for change in ({"max_num_batched_tokens": 65536}, {"max_num_seqs": LIVE_SEQS_HEADROOM + 1, "watermark": 0.05}):
         with pytest.raises(RestartRequired) as ei:
             eng.update_config(change)
         msg = str(ei.value)
         assert "restart" in msg.lower() and "profile" in msg and next(iter(change)) in msg
         assert set(ei.value.knobs) == {next(iter(change))}
         assert eng.config.model_dump() == before          # all or nothing: the watermark stayed too
-    # lowering is live, and so is raising back up to what was profiled
+    # lowering is live, and so is raising up to what was profiled, the sequence cap's headroom included
     assert eng.update_config({"max_num_batched_tokens": 128, "max_num_seqs": 4})
-    assert eng.update_config({"max_num_batched_tokens": 256, "max_num_seqs": 8})
+    assert eng.update_config({"max_num_batched_tokens": 512, "max_num_seqs": LIVE_SEQS_HEADROOM})
+    assert eng.update_config({"max_num_seqs": 8})
     assert eng.config.model_dump() == before
 
 
 def test_config_file_raise_past_profile_waits_for_restart(device_engine):
     eng = device_engine
     changed, pending = _apply_on_engine(eng, {"max_num_batched_tokens": 4096, "watermark": 0.02})
-    assert pending == {"max_num_batched_tokens": (256, 4096)}
-    assert changed == {"watermark": [0.01, 0.02]} and eng.config.max_num_batched_tokens == 256
+    assert pending == {"max_num_batched_tokens": (512, 4096)}
+    assert changed == {"watermark": [0.01, 0.02]} and eng.config.max_num_batched_tokens == 512
     eng.update_config({"watermark": 0.01})
 
 

@@ -20,13 +20,13 @@ SETTINGS = TunerSettings(objectives=Objectives(slo_ttft_s=SC.slo_ttft_s, slo_tpo
 def test_engine_takes():
     cur = EngineConfig(max_num_seqs=64, max_num_batched_tokens=4096)
     obs = dataclasses.replace(measure(SC.trace(1)[:50], cur, PROFILE, SETTINGS.slo),
-                              activation_profile=ActivationProfile.of(4096, 64))
+                              activation_profile=ActivationProfile(4096, 64))  # as an engine reports it
     assert engine_takes(obs, cur.with_changes(max_num_seqs=32, max_num_batched_tokens=2048))
     assert not engine_takes(obs, cur.with_changes(max_num_seqs=128))
     assert not engine_takes(obs, cur.with_changes(max_num_batched_tokens=65536))
     assert engine_takes(obs, cur.with_changes(max_num_seqs=128, block_size=32))   # a rollout profiles again
     assert engine_takes(dataclasses.replace(obs, activation_profile=None), cur.with_changes(max_num_seqs=512))
-    assert _activation_profile({"max_num_batched_tokens": 4096, "max_num_seqs": 64}) == ActivationProfile.of(4096, 64)
+    assert _activation_profile({"max_num_batched_tokens": 4096, "max_num_seqs": 64}) == ActivationProfile(4096, 64)
     assert _activation_profile(None) is None
 
 
@@ -35,8 +35,8 @@ def test_a_sequence_cap_is_not_raised_live_past_the_profile():
     obs = measure(SC.trace(1)[:300], cur, PROFILE, SETTINGS.slo)
     free = Tuner(SETTINGS, base_profile=PROFILE).round(obs, SC.trace(1)[:300], 0.0, apply=False)
     assert free.decision.action == "change" and free.decision.config.max_num_seqs > cur.max_num_seqs  # unbounded
-    bound = dataclasses.replace(obs, activation_profile=ActivationProfile.of(cur.max_num_batched_tokens,
-                                                                             cur.max_num_seqs))
+    bound = dataclasses.replace(obs, activation_profile=ActivationProfile(cur.max_num_batched_tokens,
+                                                                          cur.max_num_seqs))
     r = Tuner(SETTINGS, base_profile=PROFILE).round(bound, SC.trace(1)[:300], 0.0, apply=False)
     d = r.decision
     if d.action == "change" and not RESTART_KNOBS & d.changes.keys():
@@ -48,7 +48,7 @@ def test_a_sequence_cap_is_not_raised_live_past_the_profile():
 def _profiled(g, seqs: int = 64):
     from kvtune_operator.tuning import Gathered
     obs = g.observation
-    return Gathered(obs.with_(activation_profile=ActivationProfile.of(obs.config.max_num_batched_tokens, seqs)),
+    return Gathered(obs.with_(activation_profile=ActivationProfile(obs.config.max_num_batched_tokens, seqs)),
                     g.trace, g.window_s)
 
 

@@ -43,17 +43,25 @@ class KVCacheSize:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
+#: sampled rows every start-up profile covers (vLLM's default max_num_seqs): the headroom of a live
+#: sequence-cap raise
+LIVE_SEQS_HEADROOM = 256
+
+
 @dataclass(frozen=True, slots=True)
 class ActivationProfile:
     """The largest step the start-up memory profile measured: ``max_num_batched_tokens`` tokens and
-    ``min(max_num_seqs, max_num_batched_tokens)`` sampled rows (a step never has more sequences than
-    tokens). Raising a knob past these makes steps the profile never paid for."""
+    ``max_num_seqs`` sampled rows, at least ``LIVE_SEQS_HEADROOM`` of them (within the budget: a step
+    never has more sequences than tokens), so that the tuner's usual live fix, a higher sequence cap,
+    never needs a restart: an engine started at ``--max-num-seqs 2`` pays at start-up for sampling
+    256 rows. Raising a knob past these makes steps the profile never paid for."""
     max_num_batched_tokens: int
     max_num_seqs: int
 
     @classmethod
     def of(cls, max_num_batched_tokens: int, max_num_seqs: int) -> "ActivationProfile":
-        return cls(int(max_num_batched_tokens), int(max_num_seqs))
+        budget = int(max_num_batched_tokens)
+        return cls(budget, max(int(max_num_seqs), min(budget, LIVE_SEQS_HEADROOM)))
 
     @property
     def rows(self) -> int:

@@ -168,7 +168,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_activations(self, weights: int) -> int:
         """Peak bytes beyond the weights during a forward of max_num_batched_tokens tokens (prefill
-        chunks of at most max_model_len) plus sampling of max_num_seqs rows, including memory that
+        chunks of at most max_model_len) plus sampling of the profile's rows, including memory that
         torch does not allocate itself (CUDA context, library workspaces)."""
         c, dev = self.config, self.device
         torch.cuda.empty_cache()
@@ -182,7 +182,7 @@ class ModelRunner:
         ids = torch.zeros(n, dtype=torch.int64, device=dev)
         pos = torch.cat([torch.arange(ch.num_tokens, device=dev) for ch in chunks])
         h = self.model(ids, pos, None, AttentionMetadata(self.block_size, None, prefills=chunks))
-        rows = torch.arange(min(c.max_num_seqs, n), device=dev) * 0 + (n - 1)
+        rows = torch.arange(self.activation_profile.rows, device=dev) * 0 + (n - 1)  # with its headroom
         logits = self.model.compute_logits(h[rows])
         torch.softmax(logits, -1).sort(dim=-1, descending=True)
         torch.cuda.synchronize(dev)

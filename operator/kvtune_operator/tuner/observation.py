@@ -336,7 +336,7 @@ class Observation:
 def _activation_profile(d: Any) -> ActivationProfile | None:
     """State's ``activation_profile``; None when absent or unreadable (an older engine)."""
     try:
-        return ActivationProfile.of(int(d["max_num_batched_tokens"]), int(d["max_num_seqs"]))
+        return ActivationProfile(int(d["max_num_batched_tokens"]), int(d["max_num_seqs"]))  # as covered
     except (TypeError, KeyError, ValueError):
         return None
 
