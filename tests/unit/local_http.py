@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -67,3 +68,18 @@ def handling(handle: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[tuple
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def dripping(body: bytes, every_s: float, content_type: str = "application/json") -> Callable[[BaseHTTPRequestHandler], None]:
+    """A ``handling`` answer that announces ``body`` whole, then sends it a byte every ``every_s``
+    (for at most 100 bytes): a server that pins a reader without a total deadline."""
+    def handle(h: BaseHTTPRequestHandler) -> None:
+        h.send_response(200)
+        h.send_header("Content-Type", content_type)
+        h.send_header("Content-Length", str(len(body)))
+        h.end_headers()
+        for i in range(min(100, len(body))):
+            h.wfile.write(body[i:i + 1])
+            h.wfile.flush()
+            time.sleep(every_s)
+    return handle

@@ -20,7 +20,7 @@ from kvtune_operator.engine_client import USER_AGENT, EngineClient, EngineError
 from kvtune_operator.prometheus import MetricsUnavailable
 from kvtune_operator.settings import Settings
 from kvtune_operator.tuning import gather
-from local_http import handling
+from local_http import dripping, handling
 from test_diagnose_engine import histograms, seq_cap_snapshot
 from test_prometheus_safety import SPEC, _plan, _window
 
@@ -92,16 +92,7 @@ def test_typed_records_with_the_callers_parameters_and_headers():
 def test_a_dripping_engine_is_cut_off_at_the_total_deadline():
     body = json.dumps(seq_cap_snapshot()).encode()
 
-    def drip(h: BaseHTTPRequestHandler) -> None:
-        h.send_response(200)
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        for i in range(100):
-            h.wfile.write(body[i:i + 1])
-            h.wfile.flush()
-            time.sleep(0.2)
-
-    with handling(drip) as (url, _):
+    with handling(dripping(body, 0.2)) as (url, _):
         t0 = time.monotonic()
         with pytest.raises(EngineError) as e:
             EngineClient(url, deadline_s=1.0).state()

@@ -5,13 +5,12 @@ own pods (the IPs the API lists), whatever addresses Prometheus names. Loopback 
 from __future__ import annotations
 
 import json
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
+
+from local_http import dripping, handling
 
 from kvtune_operator.effective import AutotunePlan
 from kvtune_operator.model import AutotuneMode, InferenceDeploymentSpec
@@ -21,32 +20,6 @@ from kvtune_operator.tuning import gather
 
 SPEC = InferenceDeploymentSpec.model_validate({"model": {"path": "/m"}})
 SECRET_TEXT = "bOdY-tExT-the-operator-must-not-repeat"
-
-
-@contextmanager
-def server(handle: Callable[[BaseHTTPRequestHandler], None]) -> Iterator[tuple[str, list[dict]]]:
-    """A loopback HTTP server; yields (base URL, the requests it got: path and headers)."""
-    seen: list[dict] = []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802
-            seen.append({"path": self.path, "headers": dict(self.headers)})
-            try:
-                handle(self)
-            except (BrokenPipeError, ConnectionResetError):
-                pass
-
-        def log_message(self, *a):
-            pass
-
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    srv.daemon_threads = True
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{srv.server_address[1]}", seen
-    finally:
-        srv.shutdown()
-        srv.server_close()
 
 
 def _answer(status: int, body: bytes, length: bool = True):
@@ -78,17 +51,7 @@ def test_a_dripping_prometheus_is_cut_off_at_a_total_deadline():
     well before the drip would finish (about 30 s), and the condition says it timed out."""
     body = _window("127.0.0.1:1")
 
-    def drip(h: BaseHTTPRequestHandler) -> None:
-        h.send_response(200)
-        h.send_header("Content-Type", "application/json")
-        h.send_header("Content-Length", str(len(body)))
-        h.end_headers()
-        for i in range(100):
-            h.wfile.write(body[i:i + 1])
-            h.wfile.flush()
-            time.sleep(0.3)
-
-    with server(drip) as (url, _):
+    with handling(dripping(body, 0.3)) as (url, _):
         t0 = time.monotonic()
         with pytest.raises(MetricsUnavailable) as e:
             read_window(url, "ns", "chat", 20, timeout_s=2.0)
@@ -101,7 +64,7 @@ def test_an_oversized_answer_is_refused_at_the_cap():
     """A body past the cap is refused, with or without a Content-Length that announces it."""
     big = b'{"status": "success", "data": {"result": [' + b" " * (3 << 20) + b"]}}"
     for length in (True, False):
-        with server(_answer(200, big, length=length)) as (url, _):
+        with handling(_answer(200, big, length=length)) as (url, _):
             with pytest.raises(MetricsUnavailable) as e:
                 read_window(url, "ns", "chat", 20, max_bytes=1 << 20)
         assert e.value.reason == "PrometheusUnreachable" and "larger than 1048576 bytes" in str(e.value), length
@@ -112,7 +75,7 @@ def test_an_error_body_is_not_repeated_in_the_condition():
     an error (or of a non-JSON answer) never does."""
     for status, body in ((500, SECRET_TEXT.encode()), (400, json.dumps({"status": "error", "error": SECRET_TEXT}).encode()),
                          (200, SECRET_TEXT.encode())):
-        with server(_answer(status, body)) as (url, _):
+        with handling(_answer(status, body)) as (url, _):
             with pytest.raises(MetricsUnavailable) as e:
                 read_window(url, "ns", "chat", 20)
         assert SECRET_TEXT not in str(e.value), str(e.value)
@@ -123,7 +86,7 @@ def test_an_error_body_is_not_repeated_in_the_condition():
 def test_a_prometheus_url_outside_the_allowlist_is_refused_unfetched():
     """Only the operator's own Prometheus URL (and the listed others) may be queried; the refusal names
     the allowlist; a URL with a query, fragment or userinfo is refused even on an allowed host."""
-    with server(_answer(200, _window("127.0.0.1:1"))) as (url, seen):
+    with handling(_answer(200, _window("127.0.0.1:1"))) as (url, seen):
         default = Settings()
         with pytest.raises(MetricsUnavailable) as e:
             gather(_plan(url), "ns", "chat", SPEC, None, allowed=default.prometheus_allowlist, pods=set())
@@ -148,9 +111,9 @@ def test_a_prometheus_url_outside_the_allowlist_is_refused_unfetched():
 def test_the_admin_key_goes_only_to_the_resources_own_pods():
     """Prometheus lists an engine address; the admin key is sent there only when that address is an
     IP of one of the InferenceDeployment's pods (as the API lists them), never on Prometheus' word."""
-    with server(_answer(404, b"")) as (engine, got):
+    with handling(_answer(404, b"")) as (engine, got):
         instance = engine.removeprefix("http://")
-        with server(_answer(200, _window(instance))) as (prom, _):
+        with handling(_answer(200, _window(instance))) as (prom, _):
             allowed = Settings(prometheus_url=prom).prometheus_allowlist
             with pytest.raises(MetricsUnavailable) as e:
                 gather(_plan(prom), "ns", "chat", SPEC, None, allowed=allowed, pods={"10.1.2.3"},
