@@ -268,7 +268,10 @@ class LLMEngine:
                 memory.update(rm)
             c = self.counters
             return {
-                "model": self.model_name, "device": self.device, "config": self.config.model_dump(),
+                "model": self.model_name, "device": self.device,
+                # the profile a simulated engine (kvtune serve --simulate) charges; None: a real model
+                "simulated": sim if isinstance(sim := getattr(self.runner, "simulated", None), str) else None,
+                "config": self.config.model_dump(),
                 "activation_profile": p.as_dict() if (p := self.activation_profile) is not None else None,
                 **scheduler_view(self.scheduler), "memory": memory, "kv_cache_dtype": self.kv_cache_dtype,
                 "counters": {k: c[k] for k in ("prompt_tokens", "generation_tokens", "steps", "requests_added")}

@@ -1,4 +1,8 @@
-"""`kvtune serve --model DIR [engine flags with vLLM's names] --host H --port P`."""
+"""`kvtune serve --model DIR [engine flags with vLLM's names] --host H --port P`.
+
+`kvtune serve --simulate PROFILE` (a test and demo mode, never the default) serves the same API,
+metrics and admin API with no model: the real engine and scheduler over a runner that sleeps each
+step's cost from a `kvtune sim` profile (``sim.realtime_runner``)."""
 from __future__ import annotations
 
 import logging
@@ -65,8 +69,40 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _simulated_engine(name: str, cfg: EngineConfig, served_model_name: str | None) -> Any:
+    from ..sim.profile import ProfileError
+    from ..sim.profiles import load_profile
+    from ..sim.realtime_runner import build_simulated_engine
+    try:
+        profile = load_profile(name)
+    except ProfileError as e:
+        raise click.UsageError(str(e)) from None
+    try:
+        return build_simulated_engine(profile, cfg, served_model_name=served_model_name)
+    except ConfigError as e:  # the flags do not fit the profile's device (sizing)
+        raise StartupError(str(e)) from None
+
+
+def _model_engine(model_dir: str, cfg: EngineConfig, device: str, dtype: str, served_model_name: str | None,
+                  device_memory: float | None) -> Any:
+    from ..builder import build_engine
+    try:
+        return build_engine(model_dir, cfg, device=device, dtype=dtype,
+                            served_model_name=served_model_name, device_memory_gib=device_memory)
+    except ConfigError as e:  # the flags do not fit this model and device (sizing)
+        raise StartupError(str(e)) from None
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise StartupError(f"cannot start the engine: {e}") from None
+    except RuntimeError as e:  # torch: no CUDA, out of memory, ...
+        raise StartupError(f"cannot start the engine on {device}: {e}") from None
+
+
 @click.command("serve")
-@click.option("--model", "model_dir", required=True, type=click.Path(), help="Local model directory.")
+@click.option("--model", "model_dir", default=None, type=click.Path(), help="Local model directory.")
+@click.option("--simulate", "simulate", default=None, metavar="PROFILE",
+              help="No model: run the real engine with this simulator profile's step costs in wall-clock time "
+                   "(a profile name or JSON file, as `kvtune sim --profile`), tokens from a byte tokenizer. "
+                   "A test and demo mode; the state API says `simulated: PROFILE`.")
 @engine_options
 @click.option("--served-model-name", default=None, help="Model name in the API (default: the directory name).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (cuda:N).")
@@ -110,7 +146,7 @@ def _listen(host: str, port: int) -> socket.socket:
               help="Open connections at most; over it the longest-idle one is closed, or the new request gets 503.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
-def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str, device_memory: float | None,
+def serve(model_dir: str | None, simulate: str | None, served_model_name: str | None, device: str, dtype: str, device_memory: float | None,
           host: str, port: int | None, admin_port: int | None,
           api_key: str | None, admin_key: str | None, max_body_mib: float, enable_prompt_tokens_details: bool,
           config_file: str | None, max_waiting: int | None, shutdown_timeout: float, keep_alive_timeout: float,
@@ -122,6 +158,8 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     os.environ.setdefault("GOMP_SPINCOUNT", "0")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvtune.serve")
+    if (model_dir is None) == (simulate is None):
+        raise click.UsageError("give --model DIR, or --simulate PROFILE for a simulated engine (not both)")
     port = _port(port)
     admin_port = _port(admin_port, "KVTUNE_ADMIN_PORT", None)
     if admin_port is not None and admin_port == port:
@@ -159,16 +197,14 @@ def serve(model_dir: str, served_model_name: str | None, device: str, dtype: str
     api_key = api_key or os.environ.get("KVTUNE_API_KEY") or os.environ.get("VLLM_API_KEY") or None
     admin_key = admin_key or os.environ.get("KVTUNE_ADMIN_KEY") or None
 
-    from ..builder import build_engine
-    try:
-        engine = build_engine(model_dir, cfg, device=device, dtype=dtype,
-                              served_model_name=served_model_name, device_memory_gib=device_memory)
-    except ConfigError as e:  # the flags do not fit this model and device (sizing)
-        raise StartupError(str(e)) from None
-    except (ValueError, FileNotFoundError, OSError) as e:
-        raise StartupError(f"cannot start the engine: {e}") from None
-    except RuntimeError as e:  # torch: no CUDA, out of memory, ...
-        raise StartupError(f"cannot start the engine on {device}: {e}") from None
+    if simulate is not None:
+        if device_memory is not None or device != "cpu" or dtype != "auto":
+            raise click.UsageError("--device, --dtype and --device-memory do not apply to --simulate "
+                                   "(the profile is the device)")
+        engine = _simulated_engine(simulate, cfg, served_model_name)
+        device = engine.device
+    else:
+        engine = _model_engine(model_dir, cfg, device, dtype, served_model_name, device_memory)
 
     import uvicorn
 

@@ -20,10 +20,10 @@ from collections import deque
 from typing import Callable
 
 from ..config import EngineConfig
-from ..core.batch import Batch, StepOutput
+from ..core.batch import Batch, Step, StepOutput
 from ..core.scheduler import RequestRejected, Scheduler
 from ..request import Request, SamplingParams
-from .profile import Profile
+from .profile import Profile, SpeedTimeline
 from .runner import SimulatedRunner
 from .trace import TraceRequest
 
@@ -32,6 +32,16 @@ _GROUP_BASE = 2_000_000_000      # first token of group j's prefix:     _GROUP_B
 
 #: sees each step's batch and duration while its blocks are held (after schedule, before update)
 Observer = Callable[[Batch, float], None]
+
+
+def charge(runner: SimulatedRunner, speed: SpeedTimeline | None, batch: Batch | Step, at: float) -> StepOutput:
+    """The step's output and cost: the profile's step time (``SimulatedRunner``) times the machine's
+    speed at ``at`` (the step's start on the speed timeline's clock; factor 1 without a timeline).
+    The one cost rule of every simulated engine, virtual-time and real-time alike."""
+    out = runner.execute(batch)
+    if speed is not None:   # the machine as fast as it was at this time of the fitted window
+        out.duration_s *= speed.at(at)
+    return out
 
 
 class SimEngine:
@@ -80,9 +90,7 @@ class SimEngine:
             if not done:
                 raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
             return 0.0, done
-        out = self.runner.execute(batch)
-        if self._speed is not None:   # the machine as fast as it was at this time of the fitted window
-            out.duration_s *= self._speed.at(now)
+        out = charge(self.runner, self._speed, batch, now)
         dt = out.duration_s
         if observe is not None:
             observe(batch, dt)
