@@ -31,7 +31,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -42,6 +41,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+
+from kvtune_operator.demo.engine import free_port  # noqa: F401  (prometheus.py, node.py import it from here)
 
 HERE = Path(__file__).resolve().parent
 #: Built binaries (``build.sh``, ``get_helm_kubectl.sh``); ``KVTUNE_CP_BIN`` overrides.
@@ -106,13 +107,6 @@ def check_binaries(names: Iterable[str] = CONTROL_PLANE_BINARIES + TOOL_BINARIES
             "(or only the Go part: bash tests/controlplane/build.sh, and helm/kubectl: "
             "bash tests/controlplane/get_helm_kubectl.sh). A cold Go build takes 5-25 min on 2 cores."
         )
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pid_alive(pid: int) -> bool:

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from kvtune_operator.demo.engine import free_port
+
+from tests.infd import infd_body
 
 from .waiting import eventually
 
@@ -37,12 +39,6 @@ HEALTH_SERVER = Path(__file__).with_name("health_server.py")
 SELECTOR = "app.kubernetes.io/instance={},app.kubernetes.io/name=kvtune-engine"
 
 
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def admin_key(controlplane, namespace: str, name: str) -> str:
@@ -160,9 +156,7 @@ def operator(controlplane, crd, opns, tmp_path_factory):
 
 
 def infd_yaml(name: str, **spec) -> str:
-    body = {"apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
-            "spec": {"model": {"path": "/models/tiny"}, **spec}}
-    return yaml.safe_dump(body)
+    return yaml.safe_dump(infd_body(name, model_path="/models/tiny", **spec))
 
 
 def get(controlplane, kind: str, name: str, ns: str) -> dict:

@@ -46,6 +46,8 @@ import httpx
 import pytest
 import yaml
 
+from tests.infd import infd_body
+
 from .e2e_load import OpenLoopLoad, served_rate
 from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
     SELECTOR, OperatorProcess, _make_namespace, admin_key, condition, crd, eventually, get,
@@ -110,19 +112,14 @@ def tuning_operator(controlplane, prometheus, tune_ns, tmp_path_factory):
 # -- helpers ----------------------------------------------------------------------------------------
 
 def infd(name: str, model: Path, engine: dict, bounds: dict, extra_args: list[str] | None = None) -> str:
-    body = {
-        "apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
-        "spec": {
-            "model": {"path": str(model), "servedModelName": "tiny"},
-            "resources": {"gpus": 0},
-            "engine": {"swapSpaceGiB": 0, "enablePrefixCaching": False, **engine},
-            "autotune": {"mode": "Apply", "interval": INTERVAL, "window": WINDOW, "cooldown": "10m",
-                         "objectives": {"ttftP95": "1s"}, "bounds": {"blockSize": [16], **bounds}},
-            "env": [{"name": "OMP_NUM_THREADS", "value": "1"}],
-            "extraArgs": extra_args or [],
-        },
-    }
-    return yaml.safe_dump(body)
+    return yaml.safe_dump(infd_body(
+        name, model={"path": str(model), "servedModelName": "tiny"},
+        resources={"gpus": 0},
+        engine={"swapSpaceGiB": 0, "enablePrefixCaching": False, **engine},
+        autotune={"mode": "Apply", "interval": INTERVAL, "window": WINDOW, "cooldown": "10m",
+                  "objectives": {"ttftP95": "1s"}, "bounds": {"blockSize": [16], **bounds}},
+        env=[{"name": "OMP_NUM_THREADS", "value": "1"}],
+        extraArgs=extra_args or []))
 
 
 def history(obj: dict) -> list[dict]:

@@ -28,6 +28,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.infd import infd_body
 from tests.vllm.server import vllm_bin
 
 from .e2e_load import OpenLoopLoad
@@ -89,22 +90,17 @@ def infd(name: str, model: Path, cache: Path, mode: str = "Recommend") -> str:
            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "TRITON_CACHE_DIR": str(cache / "triton"), "HF_HOME": str(cache / "hf"), "TMPDIR": str(cache / "tmp"),
            "VLLM_RPC_BASE_PATH": str(cache / "tmp")}
-    body = {
-        "apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment", "metadata": {"name": name},
-        "spec": {
-            "runtime": "vllm",
-            "model": {"path": str(model), "servedModelName": "tiny"},
-            "resources": {"gpus": 0},
-            "engine": {"maxNumSeqs": 2, "maxNumBatchedTokens": 1024, "maxModelLen": 1024, "blockSize": 128,
-                       "kvCacheMemoryGiB": 1, "swapSpaceGiB": 0, "enablePrefixCaching": False},
-            "autotune": {"mode": mode, "interval": "8s", "window": "20s", "cooldown": "10m",
-                         "objectives": {"ttftP95": "1s"},
-                         "bounds": {"blockSize": [128], "maxNumSeqs": {"min": 1, "max": 64}}},
-            "env": [{"name": k, "value": v} for k, v in env.items()],
-            "extraArgs": ["--dtype", "float32"],
-        },
-    }
-    return yaml.safe_dump(body)
+    return yaml.safe_dump(infd_body(
+        name, runtime="vllm",
+        model={"path": str(model), "servedModelName": "tiny"},
+        resources={"gpus": 0},
+        engine={"maxNumSeqs": 2, "maxNumBatchedTokens": 1024, "maxModelLen": 1024, "blockSize": 128,
+                "kvCacheMemoryGiB": 1, "swapSpaceGiB": 0, "enablePrefixCaching": False},
+        autotune={"mode": mode, "interval": "8s", "window": "20s", "cooldown": "10m",
+                  "objectives": {"ttftP95": "1s"},
+                  "bounds": {"blockSize": [128], "maxNumSeqs": {"min": 1, "max": 64}}},
+        env=[{"name": k, "value": v} for k, v in env.items()],
+        extraArgs=["--dtype", "float32"]))
 
 
 def test_operator_recommends_then_applies_and_keeps_more_sequences_on_a_real_vllm_pod(

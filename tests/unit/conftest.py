@@ -1,9 +1,14 @@
 """Shared fixtures: tiny random models (written once per session by `make_tiny_model`)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+_REPO = Path(__file__).resolve().parents[2]
+if str(_REPO) not in sys.path:  # shared test helpers: tests.infd
+    sys.path.insert(0, str(_REPO))
 
 TINY = dict(layers=2, hidden=64, heads=4, kv_heads=2, vocab=512, intermediate=128)
 

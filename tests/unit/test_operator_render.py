@@ -9,6 +9,7 @@ import yaml
 from kvtune_engine.config import LIVE_KNOBS, RESTART_KNOBS, EngineConfig
 from kvtune_operator import render as r
 from kvtune_operator.model import InferenceDeployment
+from tests.infd import infd_body
 
 CHANGES = {  # one valid new value per knob
     "block_size": 32, "gpu_memory_utilization": 0.8, "swap_space": 8.0, "kv_cache_memory": 0.05,
@@ -18,10 +19,7 @@ CHANGES = {  # one valid new value per knob
 
 
 def infd(**spec) -> InferenceDeployment:
-    body = {"apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": "qwen", "namespace": "llm", "uid": "uid-1", "generation": 1},
-            "spec": {"model": {"path": "/models/qwen"}, **spec}}
-    return InferenceDeployment.from_body(body)
+    return InferenceDeployment.from_body(infd_body("qwen", namespace="llm", uid="uid-1", generation=1, **spec))
 
 
 def children(resource: InferenceDeployment | None = None, config: EngineConfig | None = None, **kw):

@@ -10,6 +10,7 @@ from kvtune_operator import render as r
 from kvtune_operator.crd import CRD_FILE
 from kvtune_operator.model import InferenceDeployment
 from kvtune_operator.render_vllm import DEFAULT_VLLM_IMAGE, parse_knobs
+from tests.infd import infd_body
 
 CHANGES = {"block_size": 32, "gpu_memory_utilization": 0.8, "swap_space": 8.0, "kv_cache_memory": 0.5,
            "max_model_len": 4096, "max_num_seqs": 160, "max_num_batched_tokens": 4096, "watermark": 0.02,
@@ -17,10 +18,8 @@ CHANGES = {"block_size": 32, "gpu_memory_utilization": 0.8, "swap_space": 8.0, "
 
 
 def infd(**spec) -> InferenceDeployment:
-    body = {"apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": "qwen", "namespace": "llm", "uid": "uid-1", "generation": 1},
-            "spec": {"model": {"path": "/models/qwen"}, "runtime": "vllm", **spec}}
-    return InferenceDeployment.from_body(body)
+    return InferenceDeployment.from_body(
+        infd_body("qwen", namespace="llm", uid="uid-1", generation=1, **{"runtime": "vllm", **spec}))
 
 
 def container(config: EngineConfig, **spec) -> dict:
@@ -29,8 +28,7 @@ def container(config: EngineConfig, **spec) -> dict:
 
 
 def test_runtime_defaults_to_kvtune():
-    body = {"apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment",
-            "metadata": {"name": "q", "namespace": "n", "uid": "u"}, "spec": {"model": {"path": "/m"}}}
+    body = infd_body("q", namespace="n", uid="u", model_path="/m")
     assert InferenceDeployment.from_body(body).spec.runtime == "kvtune"
 
 

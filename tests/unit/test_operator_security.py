@@ -14,6 +14,7 @@ from kvtune_operator.reconcile import Reconciler, engine_admin_key
 from kvtune_operator.render import admin_key_of
 from kvtune_operator.settings import Settings
 from kvtune_operator.volume_policy import claim_refusal
+from tests.infd import infd_body
 
 
 def reconciled(spec: dict | None = None, name: str = "qwen", **settings):
@@ -171,8 +172,6 @@ def test_operator_admin_reads_and_diagnose_use_the_admin_key(tiny_llama):  # noq
 def test_secret_key_round_trip():
     from kvtune_operator.model import InferenceDeployment
     from kvtune_operator.render import render_admin_secret
-    infd = InferenceDeployment.from_body({"apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment",
-                                          "metadata": {"name": "a", "namespace": "n", "uid": "u"},
-                                          "spec": {"model": {"path": "/m"}}})
+    infd = InferenceDeployment.from_body(infd_body("a", namespace="n", uid="u", model_path="/m"))
     assert admin_key_of(render_admin_secret(infd, "s3cret")) == "s3cret"
     assert admin_key_of(None) is None and admin_key_of({"data": {}}) is None

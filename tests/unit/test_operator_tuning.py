@@ -15,21 +15,20 @@ from kvtune_operator.settings import Settings
 from kvtune_operator.tuner.observation import Observation
 from kvtune_operator.tuning import Gathered, tick
 from kvtune_operator.tuning_state import state_from_status
+from tests.infd import infd_body
 
 SC = SCENARIOS["seq-cap"]
 PROFILE = load_profile(SC.profile)
 
 
 def infd(mode: str, status: dict | None = None) -> InferenceDeployment:
-    return InferenceDeployment.from_body({
-        "apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment",
-        "metadata": {"name": "chat", "namespace": "llm", "generation": 1},
-        "spec": {"model": {"path": "/models/m", "volume": {"hostPath": {"path": "/m"}, "mountPath": "/models"}},
-                 "engine": {"maxNumSeqs": 64, "gpuMemoryUtilization": 0.9, "maxModelLen": 8192},
-                 "autotune": {"mode": mode, "interval": "30s", "window": "2m", "cooldown": "10m",
-                              "objectives": {"ttftP95": "2s", "tpotP95": "100ms"},
-                              "bounds": {"maxNumSeqs": {"min": 32, "max": 192}}}},
-        "status": status or {}})
+    return InferenceDeployment.from_body(infd_body(
+        "chat", namespace="llm", generation=1, status=status or {},
+        model={"path": "/models/m", "volume": {"hostPath": {"path": "/m"}, "mountPath": "/models"}},
+        engine={"maxNumSeqs": 64, "gpuMemoryUtilization": 0.9, "maxModelLen": 8192},
+        autotune={"mode": mode, "interval": "30s", "window": "2m", "cooldown": "10m",
+                  "objectives": {"ttftP95": "2s", "tpotP95": "100ms"},
+                  "bounds": {"maxNumSeqs": {"min": 32, "max": 192}}}))
 
 
 def window(cfg: EngineConfig, n: int = 500) -> Gathered:

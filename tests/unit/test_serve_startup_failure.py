@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import struct
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 from conftest_engine import tiny_llama  # noqa: F401  (fixture)
 
 from kvtune_engine.kv.sizing import format_bytes
+from kvtune_operator.demo.engine import free_port  # noqa: F401  (test_admin_port & co. import it from here)
 
 pytestmark = pytest.mark.slow
 
@@ -32,12 +32,6 @@ def weights_bytes(model: Path) -> int:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     return sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve(model: Path, *flags: str, timeout: float = 120) -> tuple[int | None, str, str]:

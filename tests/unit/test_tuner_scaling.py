@@ -20,6 +20,7 @@ from kvtune_operator.scaling import autoscaler_of, replica_target, replicas_need
 from kvtune_operator.settings import Settings
 from kvtune_operator.tuner.observation import Observation
 from kvtune_operator.tuner.replicas import simulate_fleet
+from tests.infd import infd_body
 from kvtune_operator.tuning import Gathered, tick
 
 from test_operator_reconcile import merge_patch
@@ -29,15 +30,12 @@ PROFILE = load_profile(SC.profile)
 
 
 def obj(bounds: dict | None, mode: str = "Apply", replicas: int = 1, status: dict | None = None) -> InferenceDeployment:
-    return InferenceDeployment.from_body({
-        "apiVersion": "kvtune.io/v1alpha1", "kind": "InferenceDeployment",
-        "metadata": {"name": "chat", "namespace": "llm", "generation": 1},
-        "spec": {"model": {"path": "/models/m"}, "replicas": replicas,
-                 "engine": {"maxNumSeqs": 1024, "gpuMemoryUtilization": 0.9, "maxModelLen": 8192},
-                 "autotune": {"mode": mode, "interval": "30s", "window": "2m", "cooldown": "10m",
-                              "objectives": {"ttftP95": f"{SC.slo_ttft_s}s", "tpotP95": f"{SC.slo_tpot_s * 1000:g}ms"},
-                              "bounds": bounds or {}}},
-        "status": status or {}})
+    return InferenceDeployment.from_body(infd_body(
+        "chat", namespace="llm", generation=1, status=status or {}, model_path="/models/m", replicas=replicas,
+        engine={"maxNumSeqs": 1024, "gpuMemoryUtilization": 0.9, "maxModelLen": 8192},
+        autotune={"mode": mode, "interval": "30s", "window": "2m", "cooldown": "10m",
+                  "objectives": {"ttftP95": f"{SC.slo_ttft_s}s", "tpotP95": f"{SC.slo_tpot_s * 1000:g}ms"},
+                  "bounds": bounds or {}}))
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import time
 from typing import Any, Sequence
 
 import httpx
+from kvtune_operator.demo.load import completion_body
 
 
 def prompt_ids(n: int, seed: int, vocab: int = 500, prefix: Sequence[int] = ()) -> list[int]:
@@ -26,8 +27,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, r: dict[str, Any
         await asyncio.sleep(delay)
     prefix = prompt_ids(int(r.get("prefix_tokens", 0)), hash(r.get("prefix_group")) & 0xFFFF) \
         if r.get("prefix_group") else ()
-    body = {"model": model, "prompt": prompt_ids(int(r["prompt_tokens"]), seed, prefix=prefix),
-            "max_tokens": int(r["output_tokens"]), "ignore_eos": True, "temperature": 0.0}
+    body = completion_body(model, prompt_ids(int(r["prompt_tokens"]), seed, prefix=prefix), int(r["output_tokens"]))
     sent = time.monotonic()
     resp = await client.post(url + "/v1/completions", json=body)
     done = time.monotonic()

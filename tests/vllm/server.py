@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
+
+from kvtune_operator.demo.engine import free_port  # noqa: F401  (bench imports it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,12 +54,6 @@ def vllm_bin() -> Path:
         raise VllmNotInstalled(
             f"real vLLM is not installed in {vllm_venv()}; install it with:  bash tests/vllm/setup.sh")
     return exe
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn_logged(argv: Sequence[str], env: dict[str, str], log_path: Path, cwd: Path | None = None) -> subprocess.Popen:
