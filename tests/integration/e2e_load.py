@@ -146,7 +146,9 @@ def served_rate(url: Callable[[], str | None], model: str, *, requests: int, pro
     """Requests per second the engine at ``url()`` serves as it is configured, ``requests`` of this shape
     sent at once (the demo's calibration): a test that needs a load which outruns a config (a queue
     that grows) sizes its rate from this, not from a constant of one machine."""
-    base = url()
+    deadline = time.monotonic() + 120
+    while not (base := url()) and time.monotonic() < deadline:  # the pod is not Ready (in the Service) yet
+        time.sleep(0.2)
     if not base or urlsplit(base).hostname != "127.0.0.1":
         raise ValueError(f"served_rate measures an engine on 127.0.0.1, not {base}")
     return measure_tokens_per_s(base, model=model, vocab=vocab, requests=requests, prompt_tokens=prompt_tokens,
