@@ -234,7 +234,6 @@ def serve(model_dir: str | None, simulate: str | None, served_model_name: str | 
                               max_connections=max_connections)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level.lower(), access_log=False,
                                            timeout_graceful_shutdown=shutdown_timeout, http=protocol_class(limits),
-                                           timeout_keep_alive=int(keep_alive_timeout) or 1,
                                            headers=[("keep-alive", f"timeout={int(keep_alive_timeout)}")]))
     # one server (one lifespan, one engine loop) on one or two listening sockets
     sockets = [_listen(host, p) for p in (port, admin_port) if p is not None]
