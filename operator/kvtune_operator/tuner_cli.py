@@ -70,12 +70,14 @@ def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limi
 def _scrape_window(scrape: Any, first: Any, started: float, window_s: float, n: int) -> tuple[list, float]:
     """``first`` and ``n`` more scrapes due at even times over ``window_s``, and the seconds they
     really span. A busy server answers /metrics late: sleeping a fixed interval after each answer
-    stretched an 8 s window to 24 s, and its rates (counted over 8 s) came out 3x too high."""
-    scrapes = [first]
+    stretched an 8 s window to 24 s, and its rates (counted over 8 s) came out 3x too high. A scrape's
+    figures are the server's as it answered, so the span runs from the first answer to the last (from
+    the first request, a slow server's rates came out a first answer's delay too low)."""
+    scrapes, first_answer = [first], time.monotonic()
     for i in range(1, n + 1):
         time.sleep(max(0.0, started + window_s * i / n - time.monotonic()))
         scrapes.append(scrape())
-    return scrapes, time.monotonic() - started if n else 0.0  # the last scrape is due at window_s
+    return scrapes, time.monotonic() - first_answer if n else 0.0
 
 
 def _vllm_uptime(figs: Any) -> float:

@@ -118,7 +118,7 @@ def test_kvtune_diagnose_url(engine_url):
     out = json.loads(r.output)
     assert out["diagnosis"]["cause"] == "SequenceCap"
     assert out["observation"]["waiting_cause_share"]["max_num_seqs"] == pytest.approx(0.9, abs=0.01)
-    assert 0.2 <= out["observation"]["window_s"] <= took  # the seconds the scrapes really spanned
+    assert 0 < out["observation"]["window_s"] <= took  # the seconds the scrapes' answers really spanned
     assert out["diagnosis"]["suggestion"]["max_num_seqs"] > 64
     assert out["observation"]["config"]["max-num-seqs"] == 64
     assert out["observation"]["lengths"]["count"] == 1000

@@ -97,7 +97,7 @@ def test_a_window_on_a_slow_server_counts_over_the_seconds_it_really_spans():
         r = read_engine(url, window_s=2.0, samples=4)
         took = time.monotonic() - began
     obs = r.observation
-    # the window is the span its scrapes really covered: at least the one asked for, never more than the
-    # read took (scrapes due on a clock; how late each answer came depends on the machine)
-    assert 2.0 <= obs.window_s <= took
+    # the window is the span its scrapes' answers really covered (their due times on a clock; how late
+    # each answer came depends on the machine), never more than the read took
+    assert 0 < obs.window_s <= took
     assert 8.0 <= obs.requests_per_s <= 11.0, (obs.requests_per_s, obs.window_s, took)
