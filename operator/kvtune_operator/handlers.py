@@ -10,6 +10,9 @@
                        reconcile (idempotent: it re-observes pods and repairs drifted children)
 * ``deleted``          on delete (optional: no finalizer; children go by garbage collection)
 * ``health``           a liveness probe (kopf serves it at ``settings.liveness``)
+* ``shards``           several replicas (``settings.shards`` > 0): the shard Leases kept from startup
+                       to cleanup (leases.ShardKeeper); every handler above returns at once for an
+                       object whose shard this replica does not hold (shards.py)
 
 * ``tune``             a timer polling every ``settings.tune_poll_interval``; each deployment is tuned at
                        its own spec.autotune.interval by `tuning.TuningLoop` (Prometheus window ->
@@ -23,6 +26,7 @@ from typing import Any
 
 import kopf
 
+from kvtune_operator.leases import ShardKeeper, keeper_for
 from kvtune_operator.model import GROUP, PLURAL, VERSION
 from kvtune_operator.reconcile import Outcome, Reconciler
 from kvtune_operator.settings import Settings
@@ -43,8 +47,11 @@ def retry_delay(settings: Settings, retry: int) -> float:
     return min(settings.retry_backoff * (2 ** max(retry, 0)), settings.retry_backoff_max)
 
 
-def build_registry(settings: Settings, reconciler: Reconciler) -> kopf.OperatorRegistry:
+def build_registry(settings: Settings, reconciler: Reconciler,
+                   keeper: ShardKeeper | None = None) -> kopf.OperatorRegistry:
     registry = kopf.OperatorRegistry()
+    mine = keeper.owns if keeper is not None else (lambda namespace, name: True)
+    reconciler.owns = keeper.owns if keeper is not None else None  # checked again right before each write
     resource = dict(group=GROUP, version=VERSION, plural=PLURAL)
     started = dt.datetime.now(dt.timezone.utc)
 
@@ -76,6 +83,8 @@ def build_registry(settings: Settings, reconciler: Reconciler) -> kopf.OperatorR
     @kopf.on.update(**resource, **handling, id="reconcile")
     @kopf.on.resume(**resource, **handling, id="reconcile")
     def reconcile(namespace: str, name: str, retry: int, **_: Any) -> None:
+        if not mine(namespace, name):  # another replica's (its refresh picks up this change too)
+            return
         outcome = reconciler.reconcile(namespace, name)
         _log(namespace, name, outcome)
         if outcome.retry:
@@ -84,6 +93,8 @@ def build_registry(settings: Settings, reconciler: Reconciler) -> kopf.OperatorR
     @kopf.timer(**resource, **handling, id="refresh", interval=settings.status_interval,
                 initial_delay=settings.status_interval)
     def refresh(namespace: str, name: str, **_: Any) -> None:
+        if not mine(namespace, name):
+            return
         outcome = reconciler.reconcile(namespace, name)
         _log(namespace, name, outcome)
         if outcome.retry:
@@ -96,7 +107,11 @@ def build_registry(settings: Settings, reconciler: Reconciler) -> kopf.OperatorR
     def tune(namespace: str, name: str, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         """Each deployment at its own spec.autotune.interval: gather, decide, write (tuning.py). kopf
         keeps the per-object memo; the tuner's state is in the object's status."""
+        if not mine(namespace, name):
+            return
         result = loop.maybe_tick(namespace, name, dict(body), memo)
+        if result is not None and keeper is not None:
+            log.info("%s/%s: tuning round by replica %s", namespace, name, keeper.table.identity)
         if result is not None:
             for ev in result.events:
                 log.info("%s/%s: %s: %s", namespace, name, ev.reason, ev.message)
@@ -105,6 +120,15 @@ def build_registry(settings: Settings, reconciler: Reconciler) -> kopf.OperatorR
     def deleted(namespace: str, name: str, **_: Any) -> None:
         reconciler.forget(namespace, name)
         log.info("%s/%s: deleted; its children go by garbage collection", namespace, name)
+
+    if keeper is not None:
+        @kopf.on.startup(registry=registry)
+        def take_shards(**_: Any) -> None:
+            keeper.start()
+
+        @kopf.on.cleanup(registry=registry)
+        def hand_back_shards(**_: Any) -> None:
+            keeper.stop()
 
     @kopf.on.probe(id="uptime_seconds", registry=registry)
     def health(**_: Any) -> float:
@@ -121,7 +145,10 @@ def run(settings: Settings, *, kubeconfig: str | None = None) -> None:
     if settings.log_level != "DEBUG":  # kopf logs every timer tick at INFO; our own lines tell the story
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     kube = Kube.from_environment(kubeconfig, field_manager=settings.field_manager)
-    registry = build_registry(settings, Reconciler(kube, settings))
+    keeper = keeper_for(settings, kube.api)
+    if keeper is not None:  # its Events name the replica that took the decision
+        kube.instance = keeper.table.identity
+    registry = build_registry(settings, Reconciler(kube, settings), keeper)
     kopf.run(
         registry=registry,
         standalone=True,

@@ -182,10 +182,15 @@ class Kube:
     def get_infd(self, namespace: str, name: str) -> dict[str, Any] | None:
         return self._call(self.custom.get_namespaced_custom_object, m.GROUP, m.VERSION, namespace, m.PLURAL, name)
 
-    def patch_infd_status(self, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any] | None:
-        """JSON merge patch of the status subresource (None values delete fields)."""
+    def patch_infd_status(self, namespace: str, name: str, status: dict[str, Any], *,
+                          resource_version: str | None = None) -> dict[str, Any] | None:
+        """JSON merge patch of the status subresource (None values delete fields). With
+        ``resource_version`` the apiserver refuses it (KubeError 409) unless the object still has it."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version is not None:
+            body["metadata"] = {"resourceVersion": resource_version}
         return self._call(self.custom.patch_namespaced_custom_object_status, m.GROUP, m.VERSION, namespace,
-                          m.PLURAL, name, {"status": status}, _content_type=MERGE_CONTENT_TYPE)
+                          m.PLURAL, name, body, _content_type=MERGE_CONTENT_TYPE)
 
     # -- reads --------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import json
 import logging
 import secrets
 import threading
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from pydantic import ValidationError
 
@@ -56,6 +56,9 @@ class Outcome:
     events: list[EventSpec] = dataclasses.field(default_factory=list)
     retry: str | None = None
     gone: bool = False
+    #: nothing written, and why: another replica holds the object's shard, or the tuner's state
+    #: changed since the round read it (several replicas only: `Reconciler.owns`)
+    refused: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +171,9 @@ class Reconciler:
         self.settings = settings
         self._locks: dict[tuple[str, str], threading.Lock] = {}
         self._locks_guard = threading.Lock()
+        #: several replicas (shards.py): whether this replica holds the object's shard; None: one
+        #: replica works on every object and writes as it always did
+        self.owns: Callable[[str, str], bool] | None = None
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -198,19 +204,32 @@ class Reconciler:
         return claim_refusal(claim, pvc, pv, pv_error=pv_error)
 
     def reconcile(self, namespace: str, name: str, *, status_update: dict[str, Any] | None = None,
-                  conditions: Iterable[c.Cond] = (), events: Iterable[EventSpec] = ()) -> Outcome:
+                  conditions: Iterable[c.Cond] = (), events: Iterable[EventSpec] = (),
+                  basis: dict[str, Any] | None = None) -> Outcome:
         """Render, apply and write status; `status_update`, `conditions` and `events` come from the
-        tuner (written in the same status patch, events posted with the reconcile's own)."""
+        tuner (written in the same status patch, events posted with the reconcile's own).
+
+        Several replicas (`owns` set): nothing is written unless this replica holds the object's
+        shard at this moment, and a tuner's write (``basis``: the status.tuning its round read) only
+        if the object still has that tuner state, with the read's resourceVersion as precondition of
+        the status patch: a round of a replica that lost the shard can never be recorded."""
         with self.lock(namespace, name):
+            if self.owns is not None and not self.owns(namespace, name):
+                return _refuse(namespace, name, basis, "another replica holds this object's shard")
             raw = self.kube.get_infd(namespace, name)
             if raw is None or (raw.get("metadata") or {}).get("deletionTimestamp"):
                 return Outcome(gone=True)
-            return self._reconcile(raw, status_update or {}, list(conditions), list(events))
+            precondition = None
+            if self.owns is not None and basis is not None:
+                if ((raw.get("status") or {}).get("tuning") or {}) != basis:
+                    return _refuse(namespace, name, basis, "the tuner's state changed since this round read it")
+                precondition = (raw.get("metadata") or {}).get("resourceVersion")
+            return self._reconcile(raw, status_update or {}, list(conditions), list(events), precondition)
 
     # -- the steps ------------------------------------------------------------------------------
 
     def _reconcile(self, raw: dict[str, Any], status_update: dict[str, Any], extra: list[c.Cond],
-                   extra_events: list[EventSpec]) -> Outcome:
+                   extra_events: list[EventSpec], precondition: str | None = None) -> Outcome:
         meta = raw["metadata"]
         namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation")
         old_status = dict(raw.get("status") or {})
@@ -379,7 +398,10 @@ class Reconciler:
         outcome.retry = apply_error
         try:
             if _changes(old_status, json.loads(json.dumps(status))):
-                self.kube.patch_infd_status(namespace, name, status)
+                if precondition is None:
+                    self.kube.patch_infd_status(namespace, name, status)
+                else:  # refused (409) when anything wrote the object since the read
+                    self.kube.patch_infd_status(namespace, name, status, resource_version=precondition)
         except KubeError as e:
             outcome.retry = outcome.retry or f"status update failed: {e}"
             # the tuner's decision is not recorded, so it did not happen: its events would be repeated
@@ -388,6 +410,13 @@ class Reconciler:
         for ev in outcome.events:
             self.kube.event(raw, ev.type, ev.reason, ev.message)
         return outcome
+
+
+def _refuse(namespace: str, name: str, basis: dict[str, Any] | None, why: str) -> Outcome:
+    """Nothing written; a tuner's round (``basis``) says in the log that it was not recorded."""
+    if basis is not None:
+        log.warning("%s/%s: tuning round not recorded: %s", namespace, name, why)
+    return Outcome(refused=why)
 
 
 def engine_admin_key(kube: Any, namespace: str, name: str, uid: str | None = None) -> str | None:

@@ -61,6 +61,18 @@ class Settings(BaseModel):
                            "there). Only for test harnesses that run engine pods as local processes; never "
                            "needed in a cluster, where the key goes only to the pod IPs the API lists.")
 
+    shards: int = Field(
+        0, ge=0, le=1024, description="Several replicas: the watched objects are spread over this many shards, "
+                                      "each a Lease kvtune-shard-<i> in lease_namespace held by one replica, which "
+                                      "alone reconciles and tunes its objects. 0: this one replica works on every "
+                                      "object and uses no Lease.")
+    identity: str = Field("", max_length=128, description="This replica's holderIdentity in the shard Leases (the "
+                                                          "chart: the pod name); empty: $POD_NAME, else the host name.")
+    lease_namespace: str = Field("", max_length=63, description="Namespace of the shard Leases (the chart: the "
+                                                                "release's); empty: $POD_NAMESPACE.")
+    lease_duration: float = Field(15.0, ge=3, le=300, description="leaseDurationSeconds of the shard Leases (s): a "
+                                                                  "dead replica's objects move after about this long.")
+
     @field_validator("namespaces", "network_allow_namespaces", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:

@@ -481,8 +481,10 @@ class TuningLoop:
         infd = InferenceDeployment.from_body(raw)
         plan = resolve_autotune(infd.spec, self.settings)
         result = self._round(namespace, name, infd, plan, now)
+        # several replicas: recorded only if no other round wrote the tuner's state since this read
         self.reconciler.reconcile(namespace, name, status_update=result.status_update,
-                                  conditions=result.conditions, events=result.events)
+                                  conditions=result.conditions, events=result.events,
+                                  basis=(raw.get("status") or {}).get("tuning") or {})
         return result
 
     def _round(self, namespace: str, name: str, infd: InferenceDeployment, plan: AutotunePlan,
