@@ -215,3 +215,43 @@ def test_inference_pool_selects_the_deployments_engine_pods():
                          env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache", "HELM_CONFIG_HOME": "/tmp/helm-cfg",
                               "HELM_DATA_HOME": "/tmp/helm-data"})
     assert bad.returncode != 0 and "endpointPicker" in bad.stderr
+
+
+def test_replicas_share_the_fleet_through_leases_in_the_release_namespace_only():
+    """replicaCount 1 (the default): one operator, no shard, no Lease grant, no POD_NAME. More: the
+    Deployment runs them, each gets its pod name (downward API) as its Lease identity and the shard
+    settings, and one Role in the release namespace grants exactly the Lease calls (leases.py)."""
+    from kvtune_operator.leases import LEASE_API_CALLS
+
+    lease_rules = yaml.safe_load((CHART / "files" / "rbac-lease-rules.yaml").read_text())
+    assert _rules_as_calls(lease_rules) == LEASE_API_CALLS
+    assert not {"delete", "deletecollection", "patch", "escalate", "bind", "impersonate", "*"} \
+        & {v for r in lease_rules for v in r["verbs"]}
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["replicaCount"] == 1 and Settings().shards == 0
+    for docs in (_template(), _template("--set", "watchNamespaces={a,b}")):
+        dep = next(d for d in docs if d["kind"] == "Deployment")
+        c = dep["spec"]["template"]["spec"]["containers"][0]
+        assert dep["spec"]["replicas"] == 1 and "POD_NAME" not in {e["name"] for e in c["env"]}
+        assert Settings.from_env({e["name"]: e["value"] for e in c["env"]}).shards == 0
+        assert not [r for d in docs if d["kind"] in ("Role", "ClusterRole") for r in d["rules"]
+                    if "coordination.k8s.io" in r["apiGroups"]]
+    docs = _template("--set", "replicaCount=3", "--set", "watchNamespaces={a,b}")
+    dep = next(d for d in docs if d["kind"] == "Deployment")
+    env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert dep["spec"]["replicas"] == 3
+    assert next(e for e in env if e["name"] == "POD_NAME")["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    settings = Settings.from_env({e["name"]: e["value"] for e in env if "value" in e})
+    assert (settings.shards, settings.lease_duration, settings.lease_namespace) == (16, 15.0, "kvtune-system")
+    leases = [d for d in docs if d["kind"] in ("Role", "ClusterRole")
+              and any("coordination.k8s.io" in r["apiGroups"] for r in d["rules"])]
+    assert [(d["kind"], d["metadata"]["namespace"]) for d in leases] == [("Role", "kvtune-system")]
+    assert _rules_as_calls(leases[0]["rules"]) == LEASE_API_CALLS
+    binding = next(d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["name"] == leases[0]["metadata"]["name"])
+    assert binding["metadata"]["namespace"] == "kvtune-system"
+    assert binding["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
+    helm = _helm()
+    bad = subprocess.run([helm, "template", "t", str(CHART), "--set", "replicaCount=0"], capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "HELM_CACHE_HOME": "/tmp/helm-cache",
+                                                     "HELM_CONFIG_HOME": "/tmp/helm-cfg", "HELM_DATA_HOME": "/tmp/helm-data"})
+    assert bad.returncode != 0 and "replicaCount" in bad.stderr
