@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from pydantic.alias_generators import to_camel
 
 from kvtune_engine.knobs import BOOLS, BOUNDED_KNOBS, BY_NAME, TABLE, VLLM_LACKS, Knob
+from kvtune_engine.sim.profiles import PROFILES
 
 GROUP = "kvtune.io"
 VERSION = "v1alpha1"
@@ -600,7 +601,18 @@ _VLLM_RULES = (
 )
 
 
+#: spec.simulate's allowed values: the simulator's named profiles (sim/profiles.py), nothing else
+#: (a profile file would have to be in the image; the names are what a user can rely on).
+SIMULATE_PROFILES = tuple(sorted(PROFILES))
+
 _SPEC_CHECKS = (
+    Check("has(self.model) || has(self.simulate)",
+          "spec.model is required (the model to serve), unless spec.simulate names a simulator profile",
+          lambda s: s.model is not None or s.simulate is not None, ".model"),
+    Check("!has(self.simulate) || self.runtime != 'vllm'",
+          "spec.simulate runs kvtune's simulated engine (kvtune serve --simulate): runtime vllm has no such mode; "
+          "use runtime kvtune with simulate, or drop simulate to run vLLM on a model",
+          lambda s: s.simulate is None or s.runtime != "vllm", ".simulate"),
     Check("!has(self.extraArgs) || self.extraArgs.all(a, !a.startsWith('--') || a.size() == 2 || "
           f"!{_cel_list(RESERVED_FLAGS)}.exists(f, f.startsWith(a.split('=')[0].split(' ')[0].replace('_', '-'))))",
           "extraArgs must not set what the operator sets or what decides whom the engine trusts: "
@@ -628,7 +640,15 @@ class InferenceDeploymentSpec(CRDModel):
         *cel(_SPEC_CHECKS),
     ))
 
-    model: ModelSpec = Field(..., description="The model to serve and where its weights are.")
+    model: ModelSpec | None = Field(
+        None, description="The model to serve and where its weights are. Required unless simulate is set (then "
+                          "only servedModelName is used: no weights are read and no volume is mounted).")
+    simulate: Literal[SIMULATE_PROFILES] | None = Field(  # type: ignore[valid-type]
+        None, description="Test and demo mode, never the default: run a simulated engine (kvtune serve --simulate "
+                          "PROFILE) instead of a model: the real scheduler, KV block pool, prefix cache, metrics and "
+                          "admin API, each step taking the simulator profile's time (an estimate of that GPU and "
+                          "model) in wall-clock time, generated text from a fixed vocabulary. No GPU and no weights "
+                          "needed. One of " + ", ".join(SIMULATE_PROFILES) + ". Runtime kvtune only.")
     runtime: Literal["kvtune", "vllm"] = Field(
         "kvtune", description="The engine: kvtune's own (live knob changes, admin API, recorded trace) or vLLM "
                               "0.30+ (every knob on `vllm serve`'s command line, every change a restart, tuned from "
@@ -658,6 +678,15 @@ class InferenceDeploymentSpec(CRDModel):
         None, max_length=64, description="Extra environment variables of the engine container (reserved names are "
                                          "refused: README, Trust model).")
     network: NetworkSpec | None = Field(None, description="Who may connect to the engine pods (a NetworkPolicy).")
+
+    @property
+    def weights_volume(self) -> ModelVolume | None:
+        """The volume the pods mount for the weights: none when simulated (the engine reads no weights)."""
+        return None if self.simulate is not None or self.model is None else self.model.volume
+
+    def served_name(self, default: str) -> str:
+        """The model name clients send: model.servedModelName, else ``default`` (the resource's name)."""
+        return (self.model.served_model_name if self.model else None) or default
 
 
 # --------------------------------------------------------------------------------------------

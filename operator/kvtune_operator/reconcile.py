@@ -186,7 +186,7 @@ class Reconciler:
     def model_volume_refusal(self, namespace: str, infd: InferenceDeployment) -> c.Cond | None:
         """Unless allowHostPath: why the model volume's claim may not be mounted yet (missing, unbound,
         bound to a hostPath or local PersistentVolume, or not verifiable), else None (volume_policy)."""
-        vol = infd.spec.model.volume
+        vol = infd.spec.weights_volume
         if self.settings.allow_host_path or vol is None or vol.persistent_volume_claim is None:
             return None
         claim = vol.persistent_volume_claim.claim_name
@@ -257,7 +257,7 @@ class Reconciler:
                 effective = effective_engine(infd.spec, infd.status, mode)
             except ConfigError as e:
                 config_error = f"the engine refuses spec.engine: {e}"
-            vol = infd.spec.model.volume
+            vol = infd.spec.weights_volume
             if vol is not None and vol.host_path is not None and not self.settings.allow_host_path:
                 effective = None
                 config_error = ("spec.model.volume.hostPath is not allowed by this operator (setting allowHostPath, "
@@ -345,9 +345,9 @@ class Reconciler:
         # -- observe ------------------------------------------------------------------------------
         desired = infd.spec.replicas if infd else 0
         missing_pvc = None
-        if infd and infd.spec.model.volume and infd.spec.model.volume.persistent_volume_claim \
+        if infd and infd.spec.weights_volume and infd.spec.weights_volume.persistent_volume_claim \
                 and self.settings.allow_host_path:  # else model_volume_refusal read it
-            claim = infd.spec.model.volume.persistent_volume_claim.claim_name
+            claim = infd.spec.weights_volume.persistent_volume_claim.claim_name
             if self.kube.get_pvc(namespace, claim) is None:
                 missing_pvc = claim
         pods = self.kube.list_pods(namespace, selector_string(name))

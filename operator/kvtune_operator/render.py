@@ -7,6 +7,8 @@ Contract with the engine container (kvtune serve):
   kvtune serve --model <spec.model.path> --served-model-name <name> --host 0.0.0.0 --port 8000
                --admin-port 8001 --config-file /etc/kvtune/engine.yaml --shutdown-timeout 50
                --device cpu|cuda [spec.extraArgs...]
+(spec.simulate: ``--simulate <profile>`` instead of ``--model`` and ``--device``, and no model volume:
+the simulated engine reads no weights and its device is the profile's.)
 Port 8000 (``http``) serves the OpenAI API, port 8001 (``admin``) /metrics and /kvtune/v1/*, both
 /health. The admin API answers only the key in the Secret ``<name>-admin-key`` (``KVTUNE_ADMIN_KEY``
 from that Secret), which the operator creates once per InferenceDeployment and uses for its own
@@ -119,7 +121,8 @@ def runtime_command(infd: InferenceDeployment, config: EngineConfig) -> tuple[li
     """Container command and args of the runtime (vLLM: every knob on its command line)."""
     if infd.spec.runtime == "vllm":
         spec = infd.spec
-        return VLLM_COMMAND, vllm_args(spec.model.path, spec.model.served_model_name or infd.metadata.name, PORT,
+        assert spec.model is not None  # the model's checks: runtime vllm is never simulated
+        return VLLM_COMMAND, vllm_args(spec.model.path, spec.served_name(infd.metadata.name), PORT,
                                        config, omit=_left_to_engine(infd, config), extra=spec.extra_args)
     return ENGINE_COMMAND, engine_args(infd)
 
@@ -134,17 +137,23 @@ def engine_yaml(config: EngineConfig, omit: frozenset[str] = frozenset()) -> str
 
 def engine_args(infd: InferenceDeployment) -> list[str]:
     spec = infd.spec
+    if spec.simulate is not None:
+        source = ["--simulate", spec.simulate]
+    else:
+        assert spec.model is not None  # the model's checks: a model, unless simulated
+        source = ["--model", spec.model.path]
+    # The engine defaults to CPU; pods with GPUs run it on CUDA (a simulated engine's device is its profile).
+    device = [] if spec.simulate is not None else ["--device", "cuda" if spec.resources.gpus else "cpu"]
     return [
-        "--model", spec.model.path,
-        "--served-model-name", spec.model.served_model_name or infd.metadata.name,
+        *source,
+        "--served-model-name", spec.served_name(infd.metadata.name),
         "--host", "0.0.0.0",
         "--port", str(PORT),
         "--admin-port", str(ADMIN_PORT),
         "--config-file", CONFIG_FILE,
         "--shutdown-timeout", str(DRAIN_TIMEOUT_S),
-        # The engine defaults to CPU; pods with GPUs run it on CUDA. extraArgs come last and win.
-        "--device", "cuda" if spec.resources.gpus else "cpu",
-        *(spec.extra_args or []),
+        *device,
+        *(spec.extra_args or []),  # last: they win
     ]
 
 
@@ -180,7 +189,7 @@ def _resources(infd: InferenceDeployment) -> dict[str, Any]:
 
 
 def _model_volume(infd: InferenceDeployment) -> dict[str, Any] | None:
-    vol = infd.spec.model.volume
+    vol = infd.spec.weights_volume
     if vol is None:
         return None
     if vol.persistent_volume_claim is not None:
@@ -283,7 +292,7 @@ def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: s
     ``allow_namespaces``: namespaces always admitted by the NetworkPolicy (operator, Prometheus).
     ``admin_key``: the key in the Secret, whose hash the pod template carries."""
     name = infd.metadata.name
-    vol = infd.spec.model.volume
+    vol = infd.spec.weights_volume
     context = {
         "spec": infd.spec,
         "namespace": infd.metadata.namespace,
@@ -310,6 +319,7 @@ def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: s
         "resources": _resources(infd),
         "tolerations": [t.dump() for t in infd.spec.tolerations or []],
         "model_volume": _model_volume(infd),
+        "model_volume_spec": vol,
         "model_read_only": True if vol is None or vol.persistent_volume_claim is None
                            else vol.persistent_volume_claim.read_only,
         "scrape_interval": infd.spec.metrics.scrape_interval,
