@@ -1,7 +1,7 @@
 """Status conditions and the observed replica state, as pure functions of what the operator saw.
 
 Ownership: the reconciler owns Ready, Progressing and Degraded. The tuner (a later issue) owns
-MetricsAvailable and Tuned; the reconciler only initialises them (Unknown) and sets Tuned=False
+MetricsAvailable and Tuned, and the tuning loop RoundsLate (`rounds_late`, from round_queue.py's lag); the reconciler only initialises them (Unknown) and sets Tuned=False
 when autotune is Off. `set_condition` keeps lastTransitionTime while the status does not change.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ PROGRESSING = ConditionType.PROGRESSING.value
 METRICS_AVAILABLE = ConditionType.METRICS_AVAILABLE.value
 TUNED = ConditionType.TUNED.value
 DEGRADED = ConditionType.DEGRADED.value
+ROUNDS_LATE = ConditionType.ROUNDS_LATE.value
 
 #: Container waiting reasons that mean the engine cannot start (not merely "starting").
 FAILING_WAITING_REASONS = {
@@ -34,6 +35,18 @@ class Cond:
     status: str
     reason: str
     message: str = ""
+
+
+def rounds_late(lag_s: float, interval_s: float, capacity: int) -> Cond:
+    """RoundsLate of a round that started ``lag_s`` after it was due: True past one interval (a
+    round skipped in effect), False again as soon as a round starts within it."""
+    if lag_s > interval_s:
+        return Cond(ROUNDS_LATE, "True", "BehindSchedule",
+                    f"this tuning round started {lag_s:.0f}s after it was due (interval {interval_s:.0f}s): the "
+                    f"operator runs at most {capacity} rounds at once and has more due than it can run in their "
+                    "intervals; raise its rounds at once (KVTUNE_TUNING_ROUNDS_AT_ONCE), add operator replicas, or lengthen autotune.interval")
+    return Cond(ROUNDS_LATE, "False", "OnSchedule",
+                f"this tuning round started {lag_s:.1f}s after it was due (interval {interval_s:.0f}s)")
 
 
 def set_condition(conditions: Iterable[dict[str, Any]], cond: Cond, *, generation: int | None,

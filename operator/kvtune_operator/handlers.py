@@ -16,7 +16,8 @@
 
 * ``tune``             a timer polling every ``settings.tune_poll_interval``; each deployment is tuned at
                        its own spec.autotune.interval by `tuning.TuningLoop` (Prometheus window ->
-                       diagnose -> predict -> decide -> status.engine, conditions and events)
+                       diagnose -> predict -> decide -> status.engine, conditions and events), at most
+                       ``settings.tuning_rounds_at_once`` at once, the one due longest first (round_queue.py)
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ import kopf
 
 from kvtune_operator.leases import ShardKeeper, keeper_for
 from kvtune_operator.model import GROUP, PLURAL, VERSION
+from kvtune_operator import operator_metrics
 from kvtune_operator.reconcile import Outcome, Reconciler
+from kvtune_operator.round_queue import RoundQueue
 from kvtune_operator.settings import Settings
 from kvtune_operator.tuning import TuningLoop
 
@@ -101,6 +104,7 @@ def build_registry(settings: Settings, reconciler: Reconciler,
             log.warning("%s/%s: will retry at the next refresh: %s", namespace, name, outcome.retry)
 
     loop = TuningLoop(reconciler, settings)
+    queue = RoundQueue(settings.tuning_rounds_at_once, stale_after_s=3 * settings.tune_poll_interval)
 
     @kopf.timer(**resource, registry=registry, id="tune", interval=settings.tune_poll_interval,
                 initial_delay=settings.tune_poll_interval)
@@ -109,7 +113,7 @@ def build_registry(settings: Settings, reconciler: Reconciler,
         keeps the per-object memo; the tuner's state is in the object's status."""
         if not mine(namespace, name):
             return
-        result = loop.maybe_tick(namespace, name, dict(body), memo)
+        result = loop.maybe_tick(namespace, name, dict(body), memo, queue)
         if result is not None and keeper is not None:
             log.info("%s/%s: tuning round by replica %s", namespace, name, keeper.table.identity)
         if result is not None:
@@ -149,6 +153,8 @@ def run(settings: Settings, *, kubeconfig: str | None = None) -> None:
     if keeper is not None:  # its Events name the replica that took the decision
         kube.instance = keeper.table.identity
     registry = build_registry(settings, Reconciler(kube, settings), keeper)
+    if settings.metrics_port:
+        operator_metrics.serve(settings.metrics_port)
     kopf.run(
         registry=registry,
         standalone=True,

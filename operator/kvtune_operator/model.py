@@ -699,12 +699,14 @@ class ConditionType(str, Enum):
     METRICS_AVAILABLE = "MetricsAvailable"
     TUNED = "Tuned"
     DEGRADED = "Degraded"
+    ROUNDS_LATE = "RoundsLate"
 
 
 class Condition(CRDModel):
     """One aspect of the resource's state, in the Kubernetes condition convention."""
 
-    type: ConditionType = Field(..., description="Ready, Progressing, MetricsAvailable, Tuned or Degraded.")
+    type: ConditionType = Field(..., description="Ready, Progressing, MetricsAvailable, Tuned, Degraded or "
+                                                 "RoundsLate.")
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     reason: str = Field(..., min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
                         description="One CamelCase word for machines.")
@@ -845,7 +847,9 @@ class InferenceDeploymentStatus(CRDModel):
     conditions: list[Condition] | None = Field(
         None, max_length=16,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        description="Ready, Progressing, MetricsAvailable, Tuned and Degraded.")
+        description="Ready, Progressing, MetricsAvailable, Tuned, Degraded and RoundsLate (True while tuning "
+                    "rounds start more than one autotune interval after they are due: the operator is not "
+                    "keeping up with its fleet).")
 
 
 class ObjectMeta(CRDModel):

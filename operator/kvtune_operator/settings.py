@@ -40,6 +40,12 @@ class Settings(BaseModel):
     status_interval: float = Field(15.0, gt=0, description="Seconds between status refreshes of each resource.")
     tune_poll_interval: float = Field(5.0, gt=0, description="Seconds between checks whether a resource is due "
                                                              "for a tuning round (each has its own interval).")
+    tuning_rounds_at_once: int = Field(
+        4, ge=1, le=256, description="Tuning rounds run at once at most (each reads Prometheus, replays the trace in "
+                                     "the simulator and writes status); more due ones wait, the one due longest "
+                                     "first (round_queue.py).")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Port of the operator's own /metrics (tuning round "
+                                                             "lag, rounds running and waiting); 0: not served.")
     retry_backoff: float = Field(5.0, gt=0, description="First retry delay (s) after a failed reconcile; doubles.")
     retry_backoff_max: float = Field(300.0, gt=0, description="Longest retry delay (s).")
     pod_monitor: Literal["auto", "never"] = Field(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, MutableMapping
@@ -23,6 +22,7 @@ from kvtune_engine.sim.profile import Profile
 from pydantic import ValidationError
 
 from . import conditions as c
+from . import operator_metrics
 from .effective import (AutotunePlan, baseline_config, effective_engine, frozen_knobs, knob_bounds,
                         resolve_autotune, tuned_status)
 from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, EngineKnobs,
@@ -33,6 +33,7 @@ from .prometheus import MAX_RESPONSE_BYTES, MetricsUnavailable, check_allowed, p
 from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
 from .rollout import rollout_failure, rollout_pending
+from .round_queue import Admission, RoundQueue
 from .scaling import autoscaler_of, replica_target, replicas_needed
 from .tuner.backlog import in_engine
 from .tuner.candidates import Bounds
@@ -464,15 +465,42 @@ class TuningLoop:
         self.reconciler, self.settings, self.clock = reconciler, settings, clock
 
     def maybe_tick(self, namespace: str, name: str, body: Mapping[str, Any],
-                   memo: MutableMapping[str, Any]) -> TickResult | None:
+                   memo: MutableMapping[str, Any], queue: RoundQueue | None = None) -> TickResult | None:
+        """One round if this deployment is due (its last round's start plus its interval; the first
+        round is due when first seen) and ``queue`` (the process's, shared by every deployment's
+        timer) admits it; its lateness is a metric and the RoundsLate condition."""
         infd = InferenceDeployment.from_body(body)
         plan = resolve_autotune(infd.spec, self.settings)
         now = self.clock()
         if plan.mode == AutotuneMode.OFF:
             memo.pop("tuned_at", None)
+            memo.pop("first_due_at", None)
+            if queue is not None:
+                queue.withdraw((namespace, name))
             return None
-        if now - memo.get("tuned_at", -math.inf) < plan.interval_s:
+        due_at = memo["tuned_at"] + plan.interval_s if "tuned_at" in memo else memo.setdefault("first_due_at", now)
+        if now < due_at:
             return None
+        admission = queue.offer((namespace, name), due_at, now) if queue is not None else \
+            Admission((namespace, name), due_at, now)
+        if queue is not None:
+            operator_metrics.ROUNDS_WAITING.set(queue.waiting)
+        if admission is None:  # others were due before it: it keeps its place until its next poll
+            return None
+        operator_metrics.ROUND_LAG.observe(admission.lag_s)
+        late = admission.lag_s > plan.interval_s
+        try:
+            operator_metrics.ROUNDS_RUNNING.set(queue.running if queue is not None else 1)
+            with operator_metrics.ROUND_DURATION.time():
+                return self._tick(namespace, name, memo, now, admission, queue)
+        finally:
+            if queue is not None:
+                queue.done((namespace, name), late=late)
+                operator_metrics.ROUNDS_RUNNING.set(queue.running)
+                operator_metrics.ROUNDS_LATE.set(queue.late)
+
+    def _tick(self, namespace: str, name: str, memo: MutableMapping[str, Any], now: float, admission: Admission,
+              queue: RoundQueue | None) -> TickResult | None:
         memo["tuned_at"] = now
         # kopf's body may predate our own last status patch: the state must come from a fresh read
         raw = self.reconciler.kube.get_infd(namespace, name)
@@ -481,6 +509,8 @@ class TuningLoop:
         infd = InferenceDeployment.from_body(raw)
         plan = resolve_autotune(infd.spec, self.settings)
         result = self._round(namespace, name, infd, plan, now)
+        result.conditions.append(c.rounds_late(admission.lag_s, plan.interval_s,
+                                               queue.capacity if queue is not None else 1))
         # several replicas: recorded only if no other round wrote the tuner's state since this read
         self.reconciler.reconcile(namespace, name, status_update=result.status_update,
                                   conditions=result.conditions, events=result.events,
