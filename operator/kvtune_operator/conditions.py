@@ -7,6 +7,7 @@ when autotune is Off. `set_condition` keeps lastTransitionTime while the status 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 from typing import Any, Iterable
 
 from kvtune_operator.model import AutotuneMode, ConditionType
@@ -37,16 +38,19 @@ class Cond:
     message: str = ""
 
 
-def rounds_late(lag_s: float, interval_s: float, capacity: int) -> Cond:
-    """RoundsLate of a round that started ``lag_s`` after it was due: True past one interval (a
-    round skipped in effect), False again as soon as a round starts within it."""
+def rounds_late(lag_s: float, interval_s: float, capacity: int, started_at: float) -> Cond:
+    """RoundsLate of a round that started at ``started_at`` (epoch s), ``lag_s`` after it was due: True
+    past one interval (a round skipped in effect), False again as soon as a round starts within it.
+    The message says when the last round ran, which is what a user checks first."""
+    when = dt.datetime.fromtimestamp(started_at, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     if lag_s > interval_s:
         return Cond(ROUNDS_LATE, "True", "BehindSchedule",
-                    f"this tuning round started {lag_s:.0f}s after it was due (interval {interval_s:.0f}s): the "
-                    f"operator runs at most {capacity} rounds at once and has more due than it can run in their "
-                    "intervals; raise its rounds at once (KVTUNE_TUNING_ROUNDS_AT_ONCE), add operator replicas, or lengthen autotune.interval")
+                    f"the last tuning round started at {when}, {lag_s:.0f}s after it was due (interval "
+                    f"{interval_s:.0f}s): the operator runs at most {capacity} rounds at once and has more due than "
+                    "it can run in their intervals; raise its rounds at once (KVTUNE_TUNING_ROUNDS_AT_ONCE), add "
+                    "operator replicas, or lengthen autotune.interval")
     return Cond(ROUNDS_LATE, "False", "OnSchedule",
-                f"this tuning round started {lag_s:.1f}s after it was due (interval {interval_s:.0f}s)")
+                f"the last tuning round started at {when}, {lag_s:.1f}s after it was due (interval {interval_s:.0f}s)")
 
 
 def set_condition(conditions: Iterable[dict[str, Any]], cond: Cond, *, generation: int | None,

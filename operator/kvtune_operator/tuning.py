@@ -510,7 +510,7 @@ class TuningLoop:
         plan = resolve_autotune(infd.spec, self.settings)
         result = self._round(namespace, name, infd, plan, now)
         result.conditions.append(c.rounds_late(admission.lag_s, plan.interval_s,
-                                               queue.capacity if queue is not None else 1))
+                                               queue.capacity if queue is not None else 1, now))
         # several replicas: recorded only if no other round wrote the tuner's state since this read
         self.reconciler.reconcile(namespace, name, status_update=result.status_update,
                                   conditions=result.conditions, events=result.events,

@@ -150,6 +150,7 @@ def test_rounds_late_is_set_while_rounds_run_late_and_cleared_when_they_catch_up
     late = get_condition(kube.infd("a")["status"]["conditions"], "RoundsLate")
     assert late["status"] == "True" and late["reason"] == "BehindSchedule"
     assert "12s after it was due (interval 10s)" in late["message"] and "1 rounds at once" in late["message"]
+    assert "started at 1970-01-12T13:46:52Z" in late["message"]  # when the last round ran: 1_000_012
     assert q.late == 3 and operator_metrics.ROUND_LAG._sum.get() - lag_before >= 36
     now[0] += 10.0                                            # the next rounds are on time
     for n in names:
