@@ -12,6 +12,10 @@ every virtual-time caller), a real-time engine by sleeping the cost.
 Synthetic token ids: a request of prefix group g gets the group's shared tokens for its first
 ``prefix_tokens`` positions and tokens unique to the request after that, so the prefix cache sees
 exactly the sharing the trace describes (prompts of one group share the prefix, nothing else).
+A request with a hash chain (``hash_ids``) gets, for each id, ``hash_block`` tokens that start with
+the id's own token (one per distinct id) and go on with a filler: two requests with the same first
+k ids have identical first k * hash_block tokens and differ at the next id's first token, so at any
+engine block size the cache shares exactly the whole blocks inside the common chain.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from .trace import TraceRequest
 
 _UNIQUE_BASE = 1_000_000_000     # first token of request i's own part: _UNIQUE_BASE + i
 _GROUP_BASE = 2_000_000_000      # first token of group j's prefix:     _GROUP_BASE + j
+_HASH_BASE = 3_000_000_000       # first token of the n-th distinct hash id's block: _HASH_BASE + n
 
 #: sees each step's batch and duration while its blocks are held (after schedule, before update)
 Observer = Callable[[Batch, float], None]
@@ -53,10 +58,13 @@ class SimEngine:
         self.sched = Scheduler(config, size.num_blocks, size.num_swap_blocks)
         self.runner = SimulatedRunner(profile, size.block_bytes)
         self._groups: dict[str, list[int]] = {}
+        self._hash_tokens: dict[int, int] = {}   # hash id -> its block's first token
         self._speed = profile.speed   # (the profile is frozen)
 
     def request(self, i: int, r: TraceRequest) -> Request:
         """Trace request ``r``, the ``i``-th of its trace, as the engine would receive it (id ``r{i}``)."""
+        if r.hash_ids:
+            return self._chain_request(i, r)
         k = r.prefix_tokens if r.prefix_group is not None else 0
         rest = r.prompt_tokens - k
         prompt = [_UNIQUE_BASE + i] + [0] * (rest - 1) if rest > 0 else []
@@ -68,6 +76,24 @@ class SimEngine:
             prompt = g[:k] + prompt
         return Request(prompt, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
                        arrival_s=r.arrival_s, request_id=f"r{i}", prefix_group=r.prefix_group)
+
+    def _chain_request(self, i: int, r: TraceRequest) -> Request:
+        """A request whose prompt follows its hash chain (module docstring), its own tokens after it."""
+        hb, tokens = r.hash_block, self._hash_tokens
+        filler = [1] * (hb - 1)
+        prompt: list[int] = []
+        for h in r.hash_ids:
+            t = tokens.get(h)
+            if t is None:
+                t = tokens[h] = _HASH_BASE + len(tokens)
+            prompt.append(t)
+            prompt += filler
+        del prompt[r.prompt_tokens:]
+        rest = r.prompt_tokens - len(prompt)
+        if rest > 0:
+            prompt += [_UNIQUE_BASE + i] + [0] * (rest - 1)
+        return Request(prompt, SamplingParams(max_tokens=r.output_tokens, ignore_eos=True),
+                       arrival_s=r.arrival_s, request_id=f"r{i}")
 
     def add(self, req: Request) -> bool:
         """Queue ``req``; False when the engine rejects it (it can never fit)."""

@@ -8,7 +8,17 @@
                    unless max_model_len cuts it short)
     prefix_group   optional: requests of one group share their first `prefix_tokens` prompt tokens
     prefix_tokens  with prefix_group: integer, 0 <= prefix_tokens <= prompt_tokens
+    hash_ids       optional, the hierarchical prefix: one id (integer >= 0) per `hash_block`
+                   tokens of the prompt, in order, the last one covering what is left; two requests
+                   whose first k ids are equal have identical first k * hash_block tokens and differ
+                   after (Mooncake's hash_ids). At most ceil(prompt_tokens / hash_block) ids;
+                   tokens past the last id are the request's own
+    hash_block     with hash_ids: tokens per id (integer >= 1, default 512, Mooncake's)
 
+    {"arrival_s": 0.5, "prompt_tokens": 1300, "output_tokens": 40, "hash_ids": [7, 8, 31]}
+
+A request carries prefix_group or hash_ids, not both: a group is the one-level form (old traces,
+still read as they were), a chain the general one (a tree of shared prefixes, at any depth).
 Blank lines and lines starting with `#` are skipped; other keys are ignored (forward compatible).
 Errors name the file and the line number.
 """
@@ -22,7 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable
 
-FIELDS = ("arrival_s", "prompt_tokens", "output_tokens", "prefix_group", "prefix_tokens")
+FIELDS = ("arrival_s", "prompt_tokens", "output_tokens", "prefix_group", "prefix_tokens", "hash_ids", "hash_block")
+HASH_BLOCK = 512   # tokens per hash id unless a request says otherwise (Mooncake's block)
 
 
 class TraceError(ValueError):
@@ -36,6 +47,8 @@ class TraceRequest:
     output_tokens: int
     prefix_group: str | None = None
     prefix_tokens: int = 0
+    hash_ids: tuple[int, ...] = ()
+    hash_block: int = HASH_BLOCK
 
     def as_dict(self) -> dict:
         d = {"arrival_s": round(self.arrival_s, 6), "prompt_tokens": self.prompt_tokens,
@@ -43,6 +56,10 @@ class TraceRequest:
         if self.prefix_group is not None:
             d["prefix_group"] = self.prefix_group
             d["prefix_tokens"] = self.prefix_tokens
+        if self.hash_ids:
+            d["hash_ids"] = list(self.hash_ids)
+            if self.hash_block != HASH_BLOCK:
+                d["hash_block"] = self.hash_block
         return d
 
 
@@ -68,6 +85,13 @@ def parse_request(obj: object) -> TraceRequest:
     prompt = _int(obj, "prompt_tokens", 1)
     output = _int(obj, "output_tokens", 1)
     group = obj.get("prefix_group")
+    if obj.get("hash_ids") is not None:
+        if group is not None:
+            raise ValueError("a request carries prefix_group or hash_ids, not both")
+        ids, block = parse_chain(obj, prompt)
+        return TraceRequest(float(a), prompt, output, hash_ids=ids, hash_block=block)
+    if obj.get("hash_block") is not None:
+        raise ValueError("hash_block needs hash_ids")
     if group is None:
         if obj.get("prefix_tokens") not in (None, 0):
             raise ValueError("prefix_tokens needs a prefix_group")
@@ -80,6 +104,24 @@ def parse_request(obj: object) -> TraceRequest:
     if k > prompt:
         raise ValueError(f"prefix_tokens {k} > prompt_tokens {prompt}")
     return TraceRequest(float(a), prompt, output, group, k)
+
+
+def parse_chain(obj: dict, prompt: int, ids_key: str = "hash_ids",
+                block: int | None = None) -> tuple[tuple[int, ...], int]:
+    """The (ids, tokens per id) of a hash chain in `obj`; ValueError naming the field and what is allowed."""
+    if block is None:
+        block = _int(obj, "hash_block", 1) if obj.get("hash_block") is not None else HASH_BLOCK
+    ids = obj[ids_key]
+    if not isinstance(ids, list):
+        raise ValueError(f"{ids_key} must be a list of integers >= 0 (got {json.dumps(ids)[:40]})")
+    for j, v in enumerate(ids):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{ids_key}[{j}] must be an integer >= 0 (got {json.dumps(v)[:40]})")
+    most = -(-prompt // block)
+    if len(ids) > most:
+        raise ValueError(f"{ids_key} has {len(ids)} ids; a prompt of {prompt} tokens at {block} tokens "
+                         f"per id holds at most {most}")
+    return tuple(ids), block
 
 
 def read_trace(source: str | Path | IO[str]) -> list[TraceRequest]:
