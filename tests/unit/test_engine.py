@@ -157,11 +157,12 @@ def test_trace_ring_bounded_and_prefix_groups(tiny_llama):  # noqa: F811
         eng.step()
     t = eng.trace()
     assert t["recorded_total"] == 7 and t["dropped_total"] == 2 and len(t["requests"]) == 5
-    grouped = [r for r in eng.trace(limit=None)["requests"] if "prefix_group" in r]
+    chained = [r for r in eng.trace(limit=None)["requests"] if "hash_ids" in r]
     bs = eng.config.block_size   # whole blocks only: 40 shared tokens are told as 32 (issue 23)
-    assert grouped and all(r["prefix_tokens"] == 40 // bs * bs for r in grouped)
+    assert len(chained) >= 1 and all(r["hash_block"] == bs for r in chained)
+    assert len({r["hash_ids"][:40 // bs] for r in chained if r["prompt_tokens"] > 40}) == 1
     for r in t["requests"]:
-        assert set(r) <= {"arrival_s", "prompt_tokens", "output_tokens", "prefix_group", "prefix_tokens"}
+        assert set(r) <= {"arrival_s", "prompt_tokens", "output_tokens", "hash_ids", "hash_block"}
 
 
 def test_multiple_eos_ids_all_stop(tiny_llama, tok):  # noqa: F811

@@ -1,6 +1,7 @@
 """Issue 23, the prefix cache and the trace across users: a ``cache_salt`` chain is domain-separated
-from the unsalted one (no salt makes a salted key equal an unsalted key), and the trace tells shared
-prefixes in whole blocks only (not another user's token-exact match length)."""
+from the unsalted one (no salt makes a salted key equal an unsalted key), and the trace's hash chains
+tell shared prefixes in whole blocks only (not another user's token-exact match length), never across
+salts."""
 from __future__ import annotations
 
 from array import array
@@ -43,13 +44,34 @@ def test_a_salt_spelling_a_block_gets_no_hit_on_unsalted_cache(tiny_llama):  # n
         assert cached(ids[BS:], cache_salt=_salt_spelling(ids[:BS])) == 0
 
 
-def test_trace_prefix_tokens_are_whole_blocks():
+def test_trace_chains_tell_whole_blocks_only():
     rec = TraceRecorder(BS)
     base = list(range(100, 100 + 3 * BS))
     a = rec.begin(0.0, base)
-    b = rec.begin(1.0, base[:BS + 5] + [1] * (2 * BS))          # 21 tokens in common
-    assert a["prefix_group"] == b["prefix_group"]
-    assert a["prefix_tokens"] == b["prefix_tokens"] == BS       # not 21
-    rec.begin(2.0, base[:3 * BS - 1] + [2] * 4)                 # 21 in common with b
-    d = rec.begin(3.0, base[:3 * BS - 1] + [3] * 4)             # 47 in common with the one before
-    assert d["prefix_tokens"] == 2 * BS
+    b = rec.begin(1.0, base[:BS + 5] + [1] * (2 * BS))          # 21 tokens in common: 1 block
+    assert a["hash_block"] == b["hash_block"] == BS and len(a["hash_ids"]) == len(b["hash_ids"]) == 3
+    assert a["hash_ids"][0] == b["hash_ids"][0] and a["hash_ids"][1] != b["hash_ids"][1]
+    c = rec.begin(2.0, base[:3 * BS - 1] + [2] * 4)             # 47 in common with a: 2 blocks
+    assert c["hash_ids"][:2] == a["hash_ids"][:2] and c["hash_ids"][2] != a["hash_ids"][2]
+    assert "prefix_tokens" not in c and rec.begin(3.0, base[:BS - 1])["prompt_tokens"] == BS - 1   # no full block
+
+
+def test_trace_chains_of_two_tenants_never_meet():
+    rec = TraceRecorder(BS)
+    ids = [(3 * i + 1) % 120 for i in range(4 * BS)]
+    plain, a1, a2, b1 = (rec.begin(0.0, ids), rec.begin(1.0, ids, cache_salt="tenant-a"),
+                         rec.begin(2.0, ids, cache_salt="tenant-a"), rec.begin(3.0, ids, cache_salt="tenant-b"))
+    assert a1["hash_ids"] == a2["hash_ids"]                       # one tenant: its sharing is kept
+    for x, y in ((plain, a1), (plain, b1), (a1, b1)):
+        assert not set(x["hash_ids"]) & set(y["hash_ids"])        # across tenants: not one id in common
+    # an id is a counter, not a digest of the tokens: the same prompt in a fresh recorder gets the same small ids
+    assert TraceRecorder(BS).begin(0.0, ids)["hash_ids"] == plain["hash_ids"] == (0, 1, 2, 3)
+
+
+def test_a_forgotten_key_tells_less_sharing_never_more():
+    rec = TraceRecorder(BS, chain_keys=4)
+    first = rec.begin(0.0, list(range(2 * BS)))
+    for j in range(3):                                            # 6 other keys push the first 2 out
+        rec.begin(1.0 + j, [500 + j] * (2 * BS))
+    again = rec.begin(9.0, list(range(2 * BS)))
+    assert not set(again["hash_ids"]) & set(first["hash_ids"])

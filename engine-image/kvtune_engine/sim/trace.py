@@ -30,7 +30,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Iterable
+from typing import IO, Iterable, Sequence
 
 FIELDS = ("arrival_s", "prompt_tokens", "output_tokens", "prefix_group", "prefix_tokens", "hash_ids", "hash_block")
 HASH_BLOCK = 512   # tokens per hash id unless a request says otherwise (Mooncake's block)
@@ -122,6 +122,25 @@ def parse_chain(obj: dict, prompt: int, ids_key: str = "hash_ids",
         raise ValueError(f"{ids_key} has {len(ids)} ids; a prompt of {prompt} tokens at {block} tokens "
                          f"per id holds at most {most}")
     return tuple(ids), block
+
+
+def chain_sharing(chains: Iterable[tuple[Sequence[int], int, int]]) -> list[int]:
+    """For each (hash_ids, hash_block, prompt_tokens), in order: how many of its prompt tokens an
+    earlier request's chain already covered (the longest common leading ids, in tokens). The one
+    reading of a chain's sharing that the import summary and the tuner's length statistics use."""
+    root: dict = {}
+    out = []
+    for ids, block, prompt in chains:
+        node, k = root, 0
+        for h in ids:
+            nxt = node.get(h)
+            if nxt is None:
+                break
+            node, k = nxt, k + 1
+        out.append(min(k * block, prompt))
+        for h in ids[k:]:
+            node = node.setdefault(h, {})
+    return out
 
 
 def read_trace(source: str | Path | IO[str]) -> list[TraceRequest]:

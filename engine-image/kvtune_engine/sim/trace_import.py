@@ -19,7 +19,16 @@ and output token counts) and never any text:
                     info.response_metrics.server_usage.completion_tokens (the server's count),
                     info.response_metrics.output_tokens, info.response_info.output_tokens or
                     info.output_tokens, by version
+    mooncake        Mooncake's request trace JSONL (FAST'25 release, and the tools that write its
+                    layout): timestamp (ms since the trace began), input_length, output_length,
+                    hash_ids (one id per 512-token block; equal leading ids = a shared prefix), kept
+                    as our hash_ids so the prefix sharing replays (`hash_block` if a file's ids
+                    cover another block size)
     kvtune          our own JSONL (to slice, rescale or cap it)
+
+Not read: ServeGen (Alibaba) publishes per-client distributions of rates and lengths, not a request
+log; Alibaba's Qwen traces (qwen_traceA_blksz_16.jsonl, with chat_id and parent_chat_id) were not
+confirmed field by field here (the timestamp's unit), so no reader guesses their layout.
 
 Failed requests are dropped and counted, never replayed: a BurstGPT row with Response tokens 0 (its
 README: the failures), a guidellm request that errored or was cut off (incomplete: its output
@@ -46,11 +55,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
-from .trace import TraceError, TraceRequest, read_trace
+from .trace import HASH_BLOCK, TraceError, TraceRequest, chain_sharing, parse_chain, read_trace
 
-FORMATS = ("azure", "burstgpt", "guidellm", "inference-perf", "kvtune")
+FORMATS = ("azure", "burstgpt", "guidellm", "inference-perf", "mooncake", "kvtune")
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
 BURSTGPT_COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
 
 
@@ -73,7 +83,15 @@ class Imported:
         pm = sum(x.prompt_tokens for x in r) / len(r)
         om = sum(x.output_tokens for x in r) / len(r)
         return (f"{name} ({self.format}): {len(r)} requests of {self.read} read over {span:.1f} s{rate}; "
-                f"mean prompt {pm:.0f} tokens, mean output {om:.0f} tokens{drop}")
+                f"mean prompt {pm:.0f} tokens, mean output {om:.0f} tokens{_sharing(r)}{drop}")
+
+
+def _sharing(reqs: list[TraceRequest]) -> str:
+    """How much of the chains' prompts an earlier request already had (the prefix sharing kept)."""
+    chained = [r for r in reqs if r.hash_ids]
+    total = sum(r.prompt_tokens for r in chained)
+    shared = sum(chain_sharing((r.hash_ids, r.hash_block, r.prompt_tokens) for r in chained))
+    return f"; {shared / total:.0%} of the chained prompt tokens shared with an earlier request" if total else ""
 
 
 @dataclass(frozen=True)
@@ -81,6 +99,10 @@ class _Row:
     t: float
     prompt: int
     output: int
+    group: str | None = None            # one-level prefix (kvtune traces)
+    prefix: int = 0
+    ids: tuple[int, ...] = ()           # hash chain (Mooncake, kvtune)
+    block: int = HASH_BLOCK
 
 
 class _Bad(ValueError):
@@ -108,6 +130,8 @@ def detect_format(path: str | Path) -> str:
             obj = None
         if isinstance(obj, dict) and "arrival_s" in obj:
             return "kvtune"
+        if isinstance(obj, dict) and {"input_length", "output_length"} <= obj.keys():
+            return "mooncake"
         if s.startswith("["):
             return "inference-perf" if '"start_time"' in head else _unknown(name, "a JSON list")
         if re.search(r'"benchmarks"\s*:', head):
@@ -127,7 +151,8 @@ def detect_format(path: str | Path) -> str:
 def _unknown(name: str, what: str) -> str:
     raise TraceError(f"{name}:1: cannot tell the format from {what}; expected an Azure trace CSV "
                      f"({', '.join(AZURE_COLUMNS)}), a BurstGPT CSV ({', '.join(BURSTGPT_COLUMNS)}), a guidellm "
-                     "benchmarks JSON, inference-perf's per_request_lifecycle_metrics.json or a kvtune JSONL "
+                     "benchmarks JSON, inference-perf's per_request_lifecycle_metrics.json, a Mooncake JSONL trace "
+                     f"({', '.join(MOONCAKE_FIELDS)}, hash_ids) or a kvtune JSONL "
                      "trace (--format forces one)")
 
 
@@ -254,6 +279,44 @@ def read_burstgpt(name: str, out: Imported, model: str | None = None) -> list[_R
             out.dropped["failed (Response tokens 0)"] += 1
             continue
         rows.append(_Row(t, prompt, output))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# JSONL readers
+
+
+def read_mooncake(name: str, out: Imported, hash_block: int = HASH_BLOCK) -> list[_Row]:
+    """Mooncake's layout, one request a line: timestamp in ms, lengths, an optional hash chain."""
+    rows = []
+    for line, raw in enumerate(_text(name).splitlines(), 1):
+        s = raw.strip()
+        if not s:
+            continue
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise _Bad(line, f"not valid JSON: {e.msg} (column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise _Bad(line, f"expected a JSON object, got {type(obj).__name__}")
+        missing = [k for k in MOONCAKE_FIELDS if k not in obj]
+        if missing:
+            raise _Bad(line, f"not a Mooncake trace line: no {', '.join(missing)}")
+        out.read += 1
+        ms = _seconds(obj["timestamp"], "timestamp (ms)", line)
+        if ms < 0:
+            raise _Bad(line, f"timestamp must be >= 0 ms (got {json.dumps(obj['timestamp'])})")
+        prompt = _count(obj["input_length"], "input_length", line)
+        output = _count(obj["output_length"], "output_length", line)
+        ids: tuple[int, ...] = ()
+        if obj.get("hash_ids") is not None and prompt > 0:
+            try:
+                ids, _ = parse_chain(obj, prompt, block=hash_block)
+            except ValueError as e:
+                raise _Bad(line, str(e)) from None
+        rows.append(_Row(ms / 1000.0, prompt, output, ids=ids, block=hash_block))
+    if not rows:
+        raise TraceError(f"{name}: no requests in the Mooncake trace")
     return rows
 
 
@@ -399,7 +462,7 @@ def _where(path: tuple) -> str:
 
 def import_trace(path: str | Path, fmt: str | None = None, *, speedup: float = 1.0, start_s: float = 0.0,
                  duration_s: float | None = None, limit: int | None = None, model: str | None = None,
-                 benchmark: int | None = None) -> Imported:
+                 benchmark: int | None = None, hash_block: int | None = None) -> Imported:
     """Read `path` (format `fmt`, or detected) into trace requests; TraceError names file and line."""
     name = str(path)
     if not speedup > 0 or not math.isfinite(speedup):
@@ -415,6 +478,10 @@ def import_trace(path: str | Path, fmt: str | None = None, *, speedup: float = 1
         raise ValueError("model: only BurstGPT traces name a model per request")
     if benchmark is not None and fmt != "guidellm":
         raise ValueError("benchmark: only guidellm reports hold several benchmarks")
+    if hash_block is not None and fmt != "mooncake":
+        raise ValueError("hash_block: only Mooncake traces carry hash ids without their block size")
+    if hash_block is not None and hash_block < 1:
+        raise ValueError(f"hash_block must be >= 1 token per id (got {hash_block})")
     out = Imported([], fmt)
     text = None
     try:
@@ -422,11 +489,13 @@ def import_trace(path: str | Path, fmt: str | None = None, *, speedup: float = 1
             rows = read_azure(name, out)
         elif fmt == "burstgpt":
             rows = read_burstgpt(name, out, model)
+        elif fmt == "mooncake":
+            rows = read_mooncake(name, out, hash_block or HASH_BLOCK)
         elif fmt == "kvtune":
             reqs = read_trace(name)
             out.read = len(reqs)
-            rows = [_Row(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs]
-            groups = {i: (r.prefix_group, r.prefix_tokens) for i, r in enumerate(reqs)}
+            rows = [_Row(r.arrival_s, r.prompt_tokens, r.output_tokens, r.prefix_group, r.prefix_tokens,
+                         r.hash_ids, r.hash_block) for r in reqs]
         else:
             text, doc = _json_doc(name)
             rows = read_guidellm(doc, out, benchmark) if fmt == "guidellm" else read_inference_perf(doc, out)
@@ -437,25 +506,26 @@ def import_trace(path: str | Path, fmt: str | None = None, *, speedup: float = 1
         where = _where(e.where)
         raise TraceError(f"{name}:{line}: {where + ': ' if where else ''}{e}") from None
     kept = []
-    for i, r in enumerate(rows):
+    for r in rows:
         if r.prompt < 1:
             out.dropped["with no prompt tokens"] += 1
         elif r.output < 1:
             out.dropped["with no output tokens"] += 1
         else:
-            kept.append((r, groups[i] if fmt == "kvtune" else (None, 0)))
-    kept.sort(key=lambda x: x[0].t)
+            kept.append(r)
+    kept.sort(key=lambda x: x.t)
     if not kept:
         out.requests = []
         return out
-    t0 = kept[0][0].t + start_s
+    t0 = kept[0].t + start_s
     end = t0 + duration_s if duration_s is not None else math.inf
-    sliced = [x for x in kept if t0 <= x[0].t < end]
+    sliced = [x for x in kept if t0 <= x.t < end]
     if len(sliced) < len(kept):
         out.dropped["outside the time slice"] += len(kept) - len(sliced)
     if limit is not None and len(sliced) > limit:
         out.dropped[f"beyond the first {limit}"] += len(sliced) - limit
         sliced = sliced[:limit]
-    out.requests = [TraceRequest(round((r.t - t0) / speedup, 6), r.prompt, r.output, g, k if g is not None else 0)
-                    for r, (g, k) in sliced]
+    out.requests = [TraceRequest(round((r.t - t0) / speedup, 6), r.prompt, r.output, r.group,
+                                 r.prefix if r.group is not None else 0, r.ids, r.block)
+                    for r in sliced]
     return out

@@ -1,41 +1,61 @@
 """The engine's recorder of recent request shapes, in the trace format of ``trace.py`` (never text).
 
-Invariant owned here: an entry holds arrival time, prompt and output lengths and a shared-prefix
-group, nothing else; requests with different ``cache_salt`` values never share a group (they
-never share cache blocks either), so a replay in the simulator shares exactly what the engine
-could share. ``prefix_tokens`` is rounded down to whole blocks: the cache shares whole blocks
-only, and a token-exact length would tell the admin key's holder how long another user's prompt
-matched theirs. The trace is served behind the admin key only: shapes still describe other users.
+Invariant owned here: an entry holds arrival time, prompt and output lengths and the prompt's
+prefix structure, nothing else. The structure is a hash chain (``hash_ids``, one id per full
+engine block, ``hash_block`` = the block size): the id of a block is a counter handed out the
+first time the recorder meets the block's prefix-cache key (``kv_manager.block_keys``, salted by
+the request's ``cache_salt`` exactly as the cache salts it), so
+
+- equal leading ids mean the cache could share those blocks, and a replay in the simulator shares
+  exactly those (whole blocks only: a token-exact match length is never told);
+- requests with different ``cache_salt`` values never get a common id (their keys never meet), so
+  one tenant's trace cannot show that another sent the same prompt;
+- an id is a counter, not a digest of tokens: holding the trace, no one can test a guessed prompt
+  against it.
+
+The recorder remembers the last ``CHAIN_KEYS`` block keys; a key met again after it was forgotten
+gets a new id (the trace then tells less sharing than there was, never more). A request given an
+explicit ``prefix_group`` (the one-level form) is recorded with that group instead. The trace is
+served behind the admin key only: shapes still describe other users.
 """
 from __future__ import annotations
 
 import collections
-import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from ..kv.kv_manager import block_keys
+
 TRACE_CAPACITY = 10_000
-_GROUP_KEYS = 1024
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+CHAIN_KEYS = 1 << 16
 
 
 class TraceRecorder:
-    """A bounded ring of finished requests' shapes; prefix groups found by the first block's tokens."""
+    """A bounded ring of finished requests' shapes, each prompt's blocks as a chain of ids."""
 
-    def __init__(self, block_size: int, capacity: int = TRACE_CAPACITY):
+    def __init__(self, block_size: int, capacity: int = TRACE_CAPACITY, chain_keys: int = CHAIN_KEYS):
         self.block_size = block_size
         self.capacity = capacity
+        self.chain_keys = chain_keys
         self._ring: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
         self.recorded = 0
-        self._groups: collections.OrderedDict[bytes, tuple[str, list[int], dict]] = collections.OrderedDict()
-        self._next_group = 0
+        self._ids: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._next_id = 0
+
+    def chain(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> tuple[int, ...]:
+        """The ids of the prompt's full blocks (module docstring)."""
+        ids, known = [], self._ids
+        for key in block_keys(list(prompt_ids), self.block_size, cache_salt):
+            i = known.get(key)
+            if i is None:
+                i = known[key] = self._next_id
+                self._next_id += 1
+                if len(known) > self.chain_keys:
+                    known.popitem(last=False)
+            else:
+                known.move_to_end(key)
+            ids.append(i)
+        return tuple(ids)
 
     def begin(self, arrival_s: float, prompt_ids: list[int], prefix_group: str | None = None,
               cache_salt: str | None = None) -> dict[str, Any]:
@@ -44,27 +64,10 @@ class TraceRecorder:
         if prefix_group:
             e["prefix_group"] = prefix_group
             return e
-        bs = self.block_size
-        if len(prompt_ids) < bs:
-            return e
-        key = hashlib.blake2b(repr((cache_salt, prompt_ids[:bs])).encode(), digest_size=12).digest()
-        hit = self._groups.get(key)
-        if hit is None:
-            self._groups[key] = ("", list(prompt_ids), e)
-            if len(self._groups) > _GROUP_KEYS:
-                self._groups.popitem(last=False)
-            return e
-        group, prev_ids, first = hit
-        self._groups.move_to_end(key)
-        n = _common_prefix(prev_ids, prompt_ids) // bs * bs   # whole blocks only (module docstring)
-        if not group:
-            group = f"p{self._next_group}"
-            self._next_group += 1
-            first["prefix_group"] = group
-            first["prefix_tokens"] = n
-        e["prefix_group"] = group
-        e["prefix_tokens"] = n
-        self._groups[key] = (group, list(prompt_ids), first)
+        ids = self.chain(prompt_ids, cache_salt)
+        if ids:
+            e["hash_ids"] = ids
+            e["hash_block"] = self.block_size
         return e
 
     def finish(self, entry: dict[str, Any], output_tokens: int) -> None:

@@ -16,7 +16,7 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from kvtune_engine.sim.trace import TraceRequest
+from kvtune_engine.sim.trace import HASH_BLOCK, TraceRequest
 
 
 def estimated_output(generated: int, cap: int | None, finished_outputs: Sequence[int]) -> int:
@@ -52,7 +52,8 @@ def in_engine(records: Iterable[Any]) -> list[TraceRequest]:
             left = max(1, int(r["output_tokens"]) - int(r.get("generated_tokens") or 0))
             group = r.get("prefix_group")
             out.append(TraceRequest(0.0, int(r["prompt_tokens"]), left, group,
-                                    int(r.get("prefix_tokens") or 0) if group else 0))
+                                    int(r.get("prefix_tokens") or 0) if group else 0,
+                                    tuple(r.get("hash_ids") or ()), int(r.get("hash_block") or HASH_BLOCK)))
     return out
 
 

@@ -26,6 +26,7 @@ from kvtune_engine.knobs import knob
 from kvtune_engine.kv.sizing import ActivationProfile
 from kvtune_engine.quantile import bucket_quantile, percentile
 from kvtune_engine.sim.summary import SimSummary
+from kvtune_engine.sim.trace import HASH_BLOCK, chain_sharing
 
 from .fit import samples_from_engine_steps
 from .step_sample import StepSample
@@ -77,6 +78,7 @@ class LengthStats:
     def from_trace(cls, records: Iterable[Any]) -> "LengthStats":
         """From trace records: dicts of the JSONL trace format or objects with the same attributes."""
         prompts, outputs, arrivals, prefix_lens, groups = [], [], [], [], set()
+        chains: list[tuple[tuple[int, ...], int, int]] = []
         for r in records:
             p = int(_field(r, "prompt_tokens", 0))
             o = int(_field(r, "output_tokens", 0))
@@ -87,6 +89,13 @@ class LengthStats:
             if g is not None and int(_field(r, "prefix_tokens", 0) or 0) > 0:
                 groups.add(g)
                 prefix_lens.append(int(_field(r, "prefix_tokens", 0)))
+            if _field(r, "hash_ids"):
+                chains.append((tuple(_field(r, "hash_ids")), int(_field(r, "hash_block") or HASH_BLOCK), p))
+        # a chain carries a shared prefix when an earlier request's chain covers its first blocks
+        for (ids, _, _), k in zip(chains, chain_sharing(chains)):
+            if k > 0:
+                groups.add(("chain", ids[0]))
+                prefix_lens.append(k)
         n = len(prompts)
         if n == 0:
             return cls(0, 0.0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0)

@@ -8,7 +8,7 @@ token, host memory, swap bandwidth, and every cost when there are no step sample
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from pydantic import PrivateAttr
@@ -61,8 +61,7 @@ def as_trace(records: Iterable[Any], *, rebase: bool = True) -> list[TraceReques
     out.sort(key=lambda r: r.arrival_s)
     if rebase and out and out[0].arrival_s > 0:
         t0 = out[0].arrival_s
-        out = [TraceRequest(r.arrival_s - t0, r.prompt_tokens, r.output_tokens, r.prefix_group, r.prefix_tokens)
-               for r in out]
+        out = [replace(r, arrival_s=r.arrival_s - t0) for r in out]   # the prefix (group or chain) kept
     return out
 
 
