@@ -1,4 +1,4 @@
-"""`kvtune trace import`: the logs people have (Azure trace, BurstGPT, guidellm, inference-perf) become
+"""`kvtune trace import`: the logs people have (Azure trace, BurstGPT, guidellm, inference-perf, Mooncake) become
 our JSONL trace, through the real CLI; malformed files stop with FILE:LINE and exit status 1."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from kvtune_engine.sim.trace import read_trace
 from kvtune_engine.sim.trace_import import detect_format, import_trace, parse_datetime
 from kvtune_operator.cli import main
+from tests.mooncake_shaped import mooncake_lines, write_mooncake
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -204,3 +205,60 @@ def test_malformed_json_names_file_and_line(tmp_path):
     src = _write(tmp_path, "broken.json", '{"benchmarks": [\n  {"requests": }\n]}')
     r = _run(str(src), "--format", "guidellm")
     assert r.exit_code == 1 and "broken.json:2: not valid JSON" in r.output
+
+
+# ---------------------------------------------------------------------- Mooncake (hash chains)
+MOONCAKE = """{"timestamp": 0, "input_length": 1200, "output_length": 80, "hash_ids": [0, 1, 2]}
+{"timestamp": 1500, "input_length": 1500, "output_length": 30, "hash_ids": [0, 1, 3]}
+{"timestamp": 1500, "input_length": 700, "output_length": 0, "hash_ids": [0, 4]}
+{"timestamp": 4250, "input_length": 400, "output_length": 12, "hash_ids": [5]}
+"""
+
+
+def test_mooncake_trace_keeps_its_prefix_sharing(tmp_path):
+    src = _write(tmp_path, "mooncake_trace.jsonl", MOONCAKE)
+    assert detect_format(src) == "mooncake"
+    out = tmp_path / "t.jsonl"
+    r = _run(str(src), "-o", str(out))
+    assert r.exit_code == 0, r.output
+    trace = read_trace(out)
+    assert [(t.arrival_s, t.prompt_tokens, t.output_tokens, t.hash_ids, t.hash_block) for t in trace] == [
+        (0.0, 1200, 80, (0, 1, 2), 512), (1.5, 1500, 30, (0, 1, 3), 512), (4.25, 400, 12, (5,), 512)]
+    # the second shares 2 of its blocks (1024 of 1500 tokens) with the first: 1024 of 3100 chained tokens
+    assert "33% of the chained prompt tokens shared" in r.stderr and "dropped 1 with no output tokens" in r.stderr
+    r = _run(str(src), "--hash-block", "256")          # fewer tokens per id: the chain covers less, still valid
+    assert r.exit_code == 0 and _lines(r.stdout)[0]["hash_block"] == 256
+    r = _run(str(src), "--hash-block", "1024")         # 3 ids of 1024 tokens: more than a 1200-token prompt
+    assert r.exit_code == 1 and "mooncake_trace.jsonl:1: hash_ids has 3 ids; a prompt of 1200 tokens at 1024" in r.output
+    r = _run(str(src), "--hash-block", "0")
+    assert r.exit_code == 2 and "--hash-block must be >= 1" in r.output
+    r = _run(str(_write(tmp_path, "b.csv", BURSTGPT)), "--hash-block", "16")
+    assert r.exit_code == 2 and "--hash-block: only Mooncake traces" in r.output
+
+
+def test_a_mooncake_shaped_trace_imports_with_its_sharing(tmp_path):
+    src = write_mooncake(tmp_path / "mc.jsonl", requests=120, seed=3)
+    res = import_trace(src)
+    lines = mooncake_lines(requests=120, seed=3)
+    assert res.format == "mooncake" and len(res.requests) == 120
+    by_chain = sorted((tuple(d["hash_ids"]), d["input_length"]) for d in lines)
+    assert sorted((r.hash_ids, r.prompt_tokens) for r in res.requests) == by_chain
+    assert "of the chained prompt tokens shared" in res.summary("mc.jsonl")
+
+
+@pytest.mark.parametrize("line, expect", [
+    ('{"timestamp": 10, "input_length": 600, "output_length": 5, "hash_ids": [1, 2, 3]}',
+     "m.jsonl:2: hash_ids has 3 ids; a prompt of 600 tokens at 512 tokens per id holds at most 2"),
+    ('{"timestamp": 10, "input_length": 600, "output_length": 5, "hash_ids": [1, "x"]}',
+     "m.jsonl:2: hash_ids[1] must be an integer >= 0"),
+    ('{"timestamp": "soon", "input_length": 600, "output_length": 5}', "m.jsonl:2: timestamp (ms) must be a number"),
+    ('{"timestamp": -5, "input_length": 600, "output_length": 5}', "m.jsonl:2: timestamp must be >= 0 ms"),
+    ('{"timestamp": 10, "input_length": 6.5, "output_length": 5}', "m.jsonl:2: input_length must be an integer >= 0"),
+    ('{"timestamp": 10, "output_length": 5, "hash_ids": []}', "m.jsonl:2: not a Mooncake trace line: no input_length"),
+    ('{"timestamp": 10, "input_length": 600,', "m.jsonl:2: not valid JSON"),
+    ('[1, 2]', "m.jsonl:2: expected a JSON object, got list"),
+])
+def test_malformed_mooncake_lines_name_line_and_field(tmp_path, line, expect):
+    src = _write(tmp_path, "m.jsonl", MOONCAKE.splitlines()[0] + "\n" + line + "\n")
+    r = _run(str(src))
+    assert r.exit_code == 1 and r.output.startswith("Error: ") and expect in r.output, r.output
