@@ -101,3 +101,12 @@ def test_malformed_chains_name_the_line_and_field(fields, msg):
     src.name = "t.jsonl"
     with pytest.raises(TraceError, match=f"^t.jsonl:2: {msg}"):
         read_trace(src)
+
+
+def test_chain_sharing_reads_the_longest_earlier_common_prefix():
+    from kvtune_engine.sim.trace import chain_sharing
+    chains = [((1, 2, 3), 512, 1500), ((1, 2, 4), 512, 1536), ((1, 2, 3), 512, 1200), ((9,), 512, 100),
+              ((1,), 512, 300), ((1, 2), 64, 128)]
+    # 2 ids with the first; all 3 with the first (capped at its own 1200 tokens); none; 1 id, capped at 300;
+    # 2 ids of 64 tokens
+    assert chain_sharing(chains) == [0, 1024, 1200, 0, 300, 128]
