@@ -72,8 +72,9 @@ class Settings(BaseModel):
                                       "each a Lease kvtune-shard-<i> in lease_namespace held by one replica, which "
                                       "alone reconciles and tunes its objects. 0: this one replica works on every "
                                       "object and uses no Lease.")
-    identity: str = Field("", max_length=128, description="This replica's holderIdentity in the shard Leases (the "
-                                                          "chart: the pod name); empty: $POD_NAME, else the host name.")
+    identity: str = Field("", max_length=128, description="This replica's holderIdentity in the shard Leases, unique "
+                                                          "among the replicas (the chart: the pod name); empty: "
+                                                          "$POD_NAME, else the host name.")
     lease_namespace: str = Field("", max_length=63, description="Namespace of the shard Leases (the chart: the "
                                                                 "release's); empty: $POD_NAMESPACE.")
     lease_duration: float = Field(15.0, ge=3, le=300, description="leaseDurationSeconds of the shard Leases (s): a "
