@@ -4,12 +4,15 @@ tell shared prefixes in whole blocks only (not another user's token-exact match 
 salts."""
 from __future__ import annotations
 
+import io
+import json
 from array import array
 
 import httpx
 from conftest_engine import run_server, tiny_llama  # noqa: F401  (fixture)
 
 from kvtune_engine.kv.kv_manager import block_keys, chain_root
+from kvtune_engine.sim.trace import read_trace
 from kvtune_engine.sim.trace_recorder import TraceRecorder
 
 BS = 16
@@ -75,3 +78,23 @@ def test_a_forgotten_key_tells_less_sharing_never_more():
         rec.begin(1.0 + j, [500 + j] * (2 * BS))
     again = rec.begin(9.0, list(range(2 * BS)))
     assert not set(again["hash_ids"]) & set(first["hash_ids"])
+
+
+def test_the_served_trace_shares_within_a_tenant_and_never_across(tiny_llama):  # noqa: F811
+    key = {"Authorization": "Bearer admin-k"}
+    with run_server(tiny_llama, block_size=BS, server_settings={"admin_key": "admin-k"}) as s:
+        ids = [(5 * i + 7) % 120 for i in range(3 * BS + 4)]
+        for salt in ("tenant-a", "tenant-a", "tenant-b", None):
+            body = {"prompt": ids, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+        r = httpx.get(s.url + "/kvtune/v1/trace", params={"format": "jsonl"}, headers=key, timeout=30)
+        assert r.status_code == 200, r.text
+    src = io.StringIO(r.text)
+    src.name = "engine-trace.jsonl"
+    a1, a2, b, plain = read_trace(src)                  # our own loader reads what the engine serves
+    assert a1.hash_block == BS and len(a1.hash_ids) == 3 and a1.hash_ids == a2.hash_ids
+    for x, y in ((a1, b), (a1, plain), (b, plain)):
+        assert not set(x.hash_ids) & set(y.hash_ids)
+    assert all(set(line) <= {"arrival_s", "prompt_tokens", "output_tokens", "hash_ids", "hash_block"}
+               for line in map(json.loads, r.text.splitlines()))   # shapes only: no text, no salt
