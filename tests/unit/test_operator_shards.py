@@ -277,3 +277,34 @@ def test_one_replica_writes_as_before():
     out = rec.reconcile("llm", "qwen", status_update={"tuning": {"phase": "Observing"}}, basis={"phase": "X"})
     assert out.refused is None and not kube.preconditions
     assert kube.infd()["status"]["tuning"]["phase"] == "Observing"
+
+
+def test_handlers_leave_other_replicas_objects_alone():
+    """With a keeper the registry keeps the Leases from startup to cleanup, and the reconcile, refresh
+    and tune handlers return at once for an object whose shard the replica does not hold (the
+    Reconciler has no cluster here: any call would fail)."""
+    from kvtune_operator.handlers import build_registry
+
+    store, clock = LeaseStore(), Clock()
+    other = replica("other", store, clock)
+    other.sync()  # holds every shard
+    me = replica("me", store, clock)
+    me.sync()
+    settings = Settings(shards=SHARDS)
+    rec = Reconciler(kube=None, settings=settings)
+    registry = build_registry(settings, rec, me)
+    assert rec.owns == me.owns and not me.owns("llm", "qwen")
+    activities = {h.id.rsplit(".", 1)[-1] for h in registry._activities.get_all_handlers()}
+    assert {"take_shards", "hand_back_shards"} <= activities
+    calls: list = []
+    rec.reconcile = lambda *a, **k: calls.append(a)  # type: ignore[method-assign]
+    handlers = [*registry._changing.get_all_handlers(), *registry._spawning.get_all_handlers()]
+    ran = set()
+    for h in handlers:
+        if h.id in ("reconcile", "refresh", "tune"):
+            assert h.fn(namespace="llm", name="qwen", retry=0, body={}, memo={}) is None, h.id
+            ran.add(h.id)
+    assert ran == {"reconcile", "refresh", "tune"} and calls == []
+    one = Reconciler(kube=None, settings=Settings())
+    build_registry(Settings(), one)
+    assert one.owns is None  # one replica: no check at all
