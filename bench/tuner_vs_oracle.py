@@ -121,6 +121,35 @@ def objective_workloads() -> list[Workload]:
                  lambda s: [TraceRequest(round(r.arrival_s / 3, 6), r.prompt_tokens, r.output_tokens)
                             for r in seq.trace(s)[:600]],
                  {"max_num_seqs": [256, 512, 1024], "budget": budgets[2:], "enable_prefix_caching": [True, False]}),
+        *objective_bound_workloads(),
+    ]
+
+
+def objective_bound_workloads() -> list[Workload]:
+    """Where the TPOT objective, not a queue, is the binding limit (issue 20), each from vLLM's default
+    cap and budget (256, 8192): the steps that carry prefill chunks stall the decodes sharing them, and
+    the grid (cap x a budget ladder down to 128) finds a much smaller budget:
+
+    * classify: short prompts (200), very short outputs (5), 10/s on an L20, TPOT 80 ms;
+    * summarise: long prompts (3000), 150-token summaries, 0.5/s on an L20, TPOT 50 ms;
+    * chat-tight: chat lengths (500 in, 250 out), 10/s on an A100, TPOT 35 ms."""
+    grid = {"max_num_seqs": [32, 64, 128, 256],
+            "budget": [(t, True) for t in (128, 256, 512, 1024, 2048, 4096, 8192, 16384)]}
+    start = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
+
+    def trace(**kw: Any) -> Callable[[int], list[TraceRequest]]:
+        return lambda s: mix(seed=s, **kw)
+
+    return [
+        Workload("classify", "l20-qwen3-8b", start, (1.0, 0.08),
+                 trace(requests=500, rate=10.0, prompt_mean=200, prompt_sigma=0.5, output_mean=5, output_sigma=0.5),
+                 grid),
+        Workload("summarise", "l20-qwen3-8b", start, (5.0, 0.05),
+                 trace(requests=200, rate=0.5, prompt_mean=3000, prompt_sigma=0.4, output_mean=150,
+                       output_sigma=0.5), grid),
+        Workload("chat-tight", "a100-llama3-8b", start, (2.0, 0.035),
+                 trace(requests=600, rate=10.0, prompt_mean=500, prompt_sigma=0.8, output_mean=250,
+                       output_sigma=0.6), grid),
     ]
 
 

@@ -129,14 +129,28 @@ def move_seqs(m: Moves) -> Iterable[Move]:
         yield f"max_num_seqs {cfg.max_num_seqs} -> {v}", {"max_num_seqs": v}
 
 
+def tpot_budget_ladder(budget: int, th: Thresholds) -> list[float]:
+    """Smaller token budgets to try when TPOT misses its objective: ``budget`` times tpot_budget_step,
+    again and again, down to tpot_budget_floor (the floor itself when the steps skip it)."""
+    out, v = [], budget * th.tpot_budget_step
+    while v > th.tpot_budget_floor:
+        out.append(v)
+        v *= th.tpot_budget_step
+    if budget > th.tpot_budget_floor:
+        out.append(float(th.tpot_budget_floor))
+    return out
+
+
 def move_budget(m: Moves) -> Iterable[Move]:
-    """Half and double always (budget_steps), smaller with chunked prefill (budget_chunked_step);
-    more, and the p95 prompt, when the budget stopped the head (try_share, budget_blocked_step,
-    prompt_margin)."""
+    """Half and double always (budget_steps), smaller with chunked prefill (budget_chunked_step), and
+    down to tpot_budget_floor when TPOT misses (tpot_budget_ladder); more, and the p95 prompt, when
+    the budget stopped the head (try_share, budget_blocked_step, prompt_margin)."""
     cfg, th, L = m.cfg, m.th, m.obs.lengths
     ts = {cfg.max_num_batched_tokens * f for f in th.budget_steps}
     if cfg.enable_chunked_prefill:
         ts.add(cfg.max_num_batched_tokens * th.budget_chunked_step)
+        if m.tpot_missed:
+            ts.update(tpot_budget_ladder(cfg.max_num_batched_tokens, th))
     if m.exhaustive or m.blocked("token_budget") >= th.try_share:
         ts.add(cfg.max_num_batched_tokens * th.budget_blocked_step)
         if L is not None and L.count:

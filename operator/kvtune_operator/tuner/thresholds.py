@@ -71,6 +71,13 @@ class Thresholds:
     budget_steps: tuple[float, ...] = (0.5, 2.0)
     budget_chunked_step: float = 0.25
     budget_blocked_step: float = 4.0
+    #: TPOT misses its objective with chunked prefill: the budget is also halved step by step
+    #: (tpot_budget_step) down to tpot_budget_floor tokens. A mixed step costs about its prefill
+    #: chunk, so the budget that meets a tight TPOT can be 1/32 of vLLM's default (issue 20: 256 of
+    #: 8192); factors of 2 from the current budget never reached it. Under the floor a step's fixed
+    #: cost (reading the weights) dominates and smaller chunks only lengthen prefill.
+    tpot_budget_step: float = 0.5
+    tpot_budget_floor: int = 128
     prompt_margin: float = 1.1
     #: (max_num_seqs, max_num_batched_tokens) factors moved together when TPOT misses its objective:
     #: either alone often moves the stall elsewhere
