@@ -107,12 +107,12 @@ def test_trace_shapes_never_text(srv):
     assert t["recorded_total"] == before + 3
     reqs = t["requests"][-3:]
     for r in reqs:
-        assert set(r) <= {"arrival_s", "prompt_tokens", "output_tokens", "prefix_group", "prefix_tokens"}
+        assert set(r) <= {"arrival_s", "prompt_tokens", "output_tokens", "hash_ids", "hash_block"}
         assert isinstance(r["arrival_s"], float) and r["prompt_tokens"] > 0
     assert [r["output_tokens"] for r in reqs] == [3, 3, 5]
-    a, b, c = reqs
-    assert a["prefix_group"] == b["prefix_group"] and a["prefix_tokens"] == b["prefix_tokens"] >= 16
-    assert "prefix_group" not in c
+    a, b, c = reqs   # the shared system prompt: at least one whole block with the same id; c none of them
+    assert a["hash_block"] == b["hash_block"] and a["hash_ids"][0] == b["hash_ids"][0]
+    assert not set(c.get("hash_ids", ())) & set(a["hash_ids"])
     assert [r["arrival_s"] for r in t["requests"]] == sorted(r["arrival_s"] for r in t["requests"])
     # JSONL, straight into `kvtune sim --trace`
     text = srv.get_text("/kvtune/v1/trace?format=jsonl&limit=2")

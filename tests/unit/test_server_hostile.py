@@ -284,8 +284,7 @@ def test_trace_records_shapes_only(srv):
     text = httpx.get(srv.url + "/kvtune/v1/trace?format=jsonl").text
     assert "hunter2" not in text and "password" not in text
     for line in text.splitlines():
-        assert set(json.loads(line)) <= {"arrival_s", "prompt_tokens", "output_tokens", "prefix_group",
-                                         "prefix_tokens"}
+        assert set(json.loads(line)) <= {"arrival_s", "prompt_tokens", "output_tokens", "hash_ids", "hash_block"}
 
 
 # ---------------------------------------------------------------------------------------------- no silent ignores
