@@ -164,3 +164,26 @@ def test_two_replicas_share_the_fleet_and_a_killed_one_hands_its_deployments_ove
         a.stop()
         b.stop()
         sys.stderr.write(f"\n[op-a log tail]\n{a.tail(20)}\n[op-b log tail]\n{b.tail(20)}\n")
+
+
+def test_a_stale_tuner_write_is_refused_by_the_apiserver(controlplane, fleet):
+    """The last guard against a round recorded twice: the status patch carries the resourceVersion
+    the round's write was planned from, and the real apiserver refuses it once anything wrote the
+    object since (409); with the current one it goes through."""
+    from kvtune_operator.kube import Kube, KubeError
+
+    ns = fleet[0][0]
+    controlplane.kubectl("apply", "-f", "-", input=yaml.safe_dump(
+        infd_body("stale", namespace=ns, model_path="/models/tiny", autotune={"mode": "Off"})))
+    kube = Kube(controlplane.api_client())
+    old = kube.get_infd(ns, "stale")["metadata"]["resourceVersion"]
+    kube.patch_infd_status(ns, "stale", {"tuning": {"phase": "Observing", "message": "the holder's round"}})
+    with pytest.raises(KubeError) as refused:
+        kube.patch_infd_status(ns, "stale", {"tuning": {"phase": "Verifying", "message": "a stale round"}},
+                               resource_version=old)
+    assert refused.value.status == 409
+    assert kube.get_infd(ns, "stale")["status"]["tuning"]["message"] == "the holder's round"
+    current = kube.get_infd(ns, "stale")["metadata"]["resourceVersion"]
+    kube.patch_infd_status(ns, "stale", {"tuning": {"phase": "Verifying", "message": "the next round"}},
+                           resource_version=current)
+    assert kube.get_infd(ns, "stale")["status"]["tuning"]["message"] == "the next round"
