@@ -147,7 +147,7 @@ def test_update_config_live_restart_bad(tiny_llama):  # noqa: F811
 def test_trace_ring_bounded_and_prefix_groups(tiny_llama):  # noqa: F811
     eng = scripted_engine(tiny_llama, default=[50, 51, 52])
     from kvtune_engine.sim.trace_recorder import TraceRecorder
-    eng.outputs.recorder = TraceRecorder(eng.config.block_size, capacity=5)
+    eng.outputs.recorder = TraceRecorder(eng.config.block_size, capacity=5, hash_tokens=eng.config.block_size)
     sys_prompt = list(range(100, 140))  # 40 shared tokens
     for i in range(3):
         eng.add_request(sys_prompt + [200 + i] * (i + 1), SamplingParams(max_tokens=3, temperature=0))

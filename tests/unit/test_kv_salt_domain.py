@@ -48,7 +48,7 @@ def test_a_salt_spelling_a_block_gets_no_hit_on_unsalted_cache(tiny_llama):  # n
 
 
 def test_trace_chains_tell_whole_blocks_only():
-    rec = TraceRecorder(BS)
+    rec = TraceRecorder(BS, hash_tokens=BS)
     base = list(range(100, 100 + 3 * BS))
     a = rec.begin(0.0, base)
     b = rec.begin(1.0, base[:BS + 5] + [1] * (2 * BS))          # 21 tokens in common: 1 block
@@ -59,8 +59,17 @@ def test_trace_chains_tell_whole_blocks_only():
     assert "prefix_tokens" not in c and rec.begin(3.0, base[:BS - 1])["prompt_tokens"] == BS - 1   # no full block
 
 
+def test_the_default_chunk_is_a_multiple_of_the_block_of_at_least_128_tokens():
+    assert [TraceRecorder(b).hash_block for b in (8, 16, 128)] == [128, 128, 128]
+    assert TraceRecorder(16, hash_tokens=100).hash_block == 112
+    rec = TraceRecorder(16)
+    a = rec.begin(0.0, list(range(300)))
+    b = rec.begin(1.0, list(range(200)) + [7] * 100)   # 200 in common: one whole 128-token chunk told
+    assert a["hash_block"] == 128 and a["hash_ids"][0] == b["hash_ids"][0] and a["hash_ids"][1] != b["hash_ids"][1]
+
+
 def test_trace_chains_of_two_tenants_never_meet():
-    rec = TraceRecorder(BS)
+    rec = TraceRecorder(BS, hash_tokens=BS)
     ids = [(3 * i + 1) % 120 for i in range(4 * BS)]
     plain, a1, a2, b1 = (rec.begin(0.0, ids), rec.begin(1.0, ids, cache_salt="tenant-a"),
                          rec.begin(2.0, ids, cache_salt="tenant-a"), rec.begin(3.0, ids, cache_salt="tenant-b"))
@@ -68,11 +77,11 @@ def test_trace_chains_of_two_tenants_never_meet():
     for x, y in ((plain, a1), (plain, b1), (a1, b1)):
         assert not set(x["hash_ids"]) & set(y["hash_ids"])        # across tenants: not one id in common
     # an id is a counter, not a digest of the tokens: the same prompt in a fresh recorder gets the same small ids
-    assert TraceRecorder(BS).begin(0.0, ids)["hash_ids"] == plain["hash_ids"] == (0, 1, 2, 3)
+    assert TraceRecorder(BS, hash_tokens=BS).begin(0.0, ids)["hash_ids"] == plain["hash_ids"] == (0, 1, 2, 3)
 
 
 def test_a_forgotten_key_tells_less_sharing_never_more():
-    rec = TraceRecorder(BS, chain_keys=4)
+    rec = TraceRecorder(BS, chain_keys=4, hash_tokens=BS)
     first = rec.begin(0.0, list(range(2 * BS)))
     for j in range(3):                                            # 6 other keys push the first 2 out
         rec.begin(1.0 + j, [500 + j] * (2 * BS))
@@ -83,7 +92,7 @@ def test_a_forgotten_key_tells_less_sharing_never_more():
 def test_the_served_trace_shares_within_a_tenant_and_never_across(tiny_llama):  # noqa: F811
     key = {"Authorization": "Bearer admin-k"}
     with run_server(tiny_llama, block_size=BS, server_settings={"admin_key": "admin-k"}) as s:
-        ids = [(5 * i + 7) % 120 for i in range(3 * BS + 4)]
+        ids = [(5 * i + 7) % 120 for i in range(2 * 128 + 4)]     # two whole 128-token chunks
         for salt in ("tenant-a", "tenant-a", "tenant-b", None):
             body = {"prompt": ids, "max_tokens": 1, **({"cache_salt": salt} if salt else {})}
             r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
@@ -93,7 +102,7 @@ def test_the_served_trace_shares_within_a_tenant_and_never_across(tiny_llama):  
     src = io.StringIO(r.text)
     src.name = "engine-trace.jsonl"
     a1, a2, b, plain = read_trace(src)                  # our own loader reads what the engine serves
-    assert a1.hash_block == BS and len(a1.hash_ids) == 3 and a1.hash_ids == a2.hash_ids
+    assert a1.hash_block == 128 and len(a1.hash_ids) == 2 and a1.hash_ids == a2.hash_ids
     for x, y in ((a1, b), (a1, plain), (b, plain)):
         assert not set(x.hash_ids) & set(y.hash_ids)
     assert all(set(line) <= {"arrival_s", "prompt_tokens", "output_tokens", "hash_ids", "hash_block"}

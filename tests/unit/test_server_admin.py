@@ -99,7 +99,7 @@ def test_trace_unfinished_lists_the_requests_still_in_the_engine(tiny_llama):  #
 
 def test_trace_shapes_never_text(srv):
     before = srv.get_json("/kvtune/v1/trace")["recorded_total"]
-    shared = "You are a helpful assistant. " * 6
+    shared = "You are a helpful assistant. " * 10   # more than one 128-token chunk of the trace
     for q in ("What is one?", "What is two?"):
         assert _complete(srv.url, shared + q, max_tokens=3).status_code == 200
     assert _complete(srv.url, "unrelated words here", max_tokens=5).status_code == 200

@@ -1,13 +1,17 @@
 """The engine's recorder of recent request shapes, in the trace format of ``trace.py`` (never text).
 
 Invariant owned here: an entry holds arrival time, prompt and output lengths and the prompt's
-prefix structure, nothing else. The structure is a hash chain (``hash_ids``, one id per full
-engine block, ``hash_block`` = the block size): the id of a block is a counter handed out the
-first time the recorder meets the block's prefix-cache key (``kv_manager.block_keys``, salted by
-the request's ``cache_salt`` exactly as the cache salts it), so
+prefix structure, nothing else. The structure is a hash chain (``hash_ids``, one id per
+``hash_block`` tokens: the smallest multiple of the engine's block size of at least
+``HASH_TOKENS``): the id of a chunk is a counter handed out the first time the recorder meets the
+chunk's chained key (``kv_manager.block_keys`` at that chunk size, salted by the request's
+``cache_salt`` exactly as the cache salts its keys), so
 
-- equal leading ids mean the cache could share those blocks, and a replay in the simulator shares
-  exactly those (whole blocks only: a token-exact match length is never told);
+- equal leading ids mean the prompts' first chunks are equal (the cache could share those whole
+  blocks), and a replay in the simulator shares exactly those; a token-exact match length is never
+  told. Sharing is told in whole chunks: up to ``hash_block - 1`` shared tokens per request go
+  untold, the price of a trace that stays small (a 32k-token prompt is 256 ids, not 2048: the
+  tuner reads 10000 of them per window under the engine client's byte cap);
 - requests with different ``cache_salt`` values never get a common id (their keys never meet), so
   one tenant's trace cannot show that another sent the same prompt;
 - an id is a counter, not a digest of tokens: holding the trace, no one can test a guessed prompt
@@ -28,13 +32,16 @@ from ..kv.kv_manager import block_keys
 
 TRACE_CAPACITY = 10_000
 CHAIN_KEYS = 1 << 16
+HASH_TOKENS = 128   # the least tokens per hash id (module docstring)
 
 
 class TraceRecorder:
     """A bounded ring of finished requests' shapes, each prompt's blocks as a chain of ids."""
 
-    def __init__(self, block_size: int, capacity: int = TRACE_CAPACITY, chain_keys: int = CHAIN_KEYS):
+    def __init__(self, block_size: int, capacity: int = TRACE_CAPACITY, chain_keys: int = CHAIN_KEYS,
+                 hash_tokens: int = HASH_TOKENS):
         self.block_size = block_size
+        self.hash_block = -(-max(hash_tokens, block_size) // block_size) * block_size
         self.capacity = capacity
         self.chain_keys = chain_keys
         self._ring: collections.deque[dict[str, Any]] = collections.deque(maxlen=capacity)
@@ -43,9 +50,9 @@ class TraceRecorder:
         self._next_id = 0
 
     def chain(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> tuple[int, ...]:
-        """The ids of the prompt's full blocks (module docstring)."""
+        """The ids of the prompt's full chunks (module docstring)."""
         ids, known = [], self._ids
-        for key in block_keys(list(prompt_ids), self.block_size, cache_salt):
+        for key in block_keys(list(prompt_ids), self.hash_block, cache_salt):
             i = known.get(key)
             if i is None:
                 i = known[key] = self._next_id
@@ -67,7 +74,7 @@ class TraceRecorder:
         ids = self.chain(prompt_ids, cache_salt)
         if ids:
             e["hash_ids"] = ids
-            e["hash_block"] = self.block_size
+            e["hash_block"] = self.hash_block
         return e
 
     def finish(self, entry: dict[str, Any], output_tokens: int) -> None:
