@@ -1,6 +1,7 @@
 """Issue 20's check: on an imported Mooncake-shaped trace, `kvtune tune`'s block-size and
 prefix-caching choice reaches the goodput of a `kvtune sim` grid over those two knobs within 5%,
-from mis-tuned starts. Everything through the real CLI (import, tune, sim), in virtual time."""
+from mis-tuned starts. Everything through the real CLI (import, tune, sim), in virtual time.
+bench/mooncake_tuning.py prints the figures for more seeds."""
 from __future__ import annotations
 
 import json
@@ -40,10 +41,11 @@ def _goodput(trace: str, bs: int, caching: bool) -> float:
     return out["goodput_requests_per_s"]
 
 
-@pytest.fixture(scope="module")
-def imported(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=[0, 1], ids=["seed0", "seed1"])
+def imported(request, tmp_path_factory) -> str:
+    # seed 0: the block size hardly matters; seed 1: it does (16 gives ~0.96 of the best, 64)
     d = tmp_path_factory.mktemp("mooncake")
-    src = write_mooncake(d / "mooncake_trace.jsonl", requests=160, seed=0, rate_per_s=2.0)
+    src = write_mooncake(d / "mooncake_trace.jsonl", requests=160, seed=request.param, rate_per_s=2.0)
     out = d / "trace.jsonl"
     _cli("trace", "import", str(src), "-o", str(out))
     assert '"hash_ids"' in out.read_text()
