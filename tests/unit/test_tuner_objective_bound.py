@@ -47,6 +47,8 @@ def test_kvtune_tune_changes_what_the_simulator_says_improves_goodput_near_the_g
                      rounds=3)
     assert out["recommended"], out["rounds"]
     assert out["recommended"].get("max-num-batched-tokens", 8192) < 8192
+    # named for what it is: the mixed steps' stall, not "compute-bound, KV knobs will not help"
+    assert out["diagnosis"]["cause"] == "PrefillStallsDecodes", out["diagnosis"]["message"]
     tuned_cfg = EngineConfig.model_validate({k.replace("-", "_"): v for k, v in out["config"].items()})
     base, tuned = replay(START)["goodput_requests_per_s"], replay(tuned_cfg)["goodput_requests_per_s"]
     assert tuned > base * 1.05
@@ -75,6 +77,19 @@ def test_a_missed_tpot_tries_budgets_down_to_the_floor_of_the_thresholds():
     # met: only the usual neighbours (half, double, a quarter with chunked prefill)
     met = Observation(config=START, tpot_p95_s=0.5 * SLO_TPOT)
     assert budgets(met) == {2048, 4096, 16384}
+
+
+def test_a_missed_tpot_behind_a_long_queue_keeps_the_usual_budgets():
+    # a long queue is an engine out of capacity: smaller chunks would trade TPOT for queueing (mix-1
+    # of the oracle bench drifted down to 256 and lost 76% of its goodput); the diagnosis' own bound
+    th = Thresholds()
+    bound = th.short_queue_s(SLO_TTFT)
+    queued = Observation(config=START, tpot_p95_s=2 * SLO_TPOT, queue_time_p95_s=2 * bound)
+    cands = propose(queued, Bounds(), slo_tpot_s=SLO_TPOT, slo_ttft_s=SLO_TTFT)
+    assert min(c.max_num_batched_tokens for c in cands.configs) == 2048
+    short = Observation(config=START, tpot_p95_s=2 * SLO_TPOT, queue_time_p95_s=0.5 * bound)
+    cands = propose(short, Bounds(), slo_tpot_s=SLO_TPOT, slo_ttft_s=SLO_TTFT)
+    assert min(c.max_num_batched_tokens for c in cands.configs) == th.tpot_budget_floor
 
 
 def test_the_ladder_stops_at_the_floor_and_never_goes_under_it():

@@ -93,6 +93,8 @@ class Moves:
     mem: MemoryPicture | None
     exhaustive: bool
     tpot_missed: bool
+    #: the p95 queue is short (Thresholds.short_queue_s): a missed TPOT is the objective binding
+    queue_short: bool = True
 
     def blocked(self, *reasons: str) -> float:
         return sum(self.obs.waiting_cause_share.get(r, 0.0) for r in reasons)
@@ -143,13 +145,14 @@ def tpot_budget_ladder(budget: int, th: Thresholds) -> list[float]:
 
 def move_budget(m: Moves) -> Iterable[Move]:
     """Half and double always (budget_steps), smaller with chunked prefill (budget_chunked_step), and
-    down to tpot_budget_floor when TPOT misses (tpot_budget_ladder); more, and the p95 prompt, when
-    the budget stopped the head (try_share, budget_blocked_step, prompt_margin)."""
+    down to tpot_budget_floor when TPOT misses with a short queue (tpot_budget_ladder,
+    short_queue_s); more, and the p95 prompt, when the budget stopped the head (try_share,
+    budget_blocked_step, prompt_margin)."""
     cfg, th, L = m.cfg, m.th, m.obs.lengths
     ts = {cfg.max_num_batched_tokens * f for f in th.budget_steps}
     if cfg.enable_chunked_prefill:
         ts.add(cfg.max_num_batched_tokens * th.budget_chunked_step)
-        if m.tpot_missed:
+        if m.tpot_missed and m.queue_short:
             ts.update(tpot_budget_ladder(cfg.max_num_batched_tokens, th))
     if m.exhaustive or m.blocked("token_budget") >= th.try_share:
         ts.add(cfg.max_num_batched_tokens * th.budget_blocked_step)
@@ -281,7 +284,7 @@ def move_other(m: Moves) -> Iterable[Move]:
 
 def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), cause: str | None = None,
             memory: MemoryPicture | None = None, slo_tpot_s: float | None = None,
-            exhaustive: bool = False, suggestion: Mapping[str, Any] | None = None,
+            slo_ttft_s: float | None = None, exhaustive: bool = False, suggestion: Mapping[str, Any] | None = None,
             thresholds: Thresholds = Thresholds()) -> CandidateSet:
     """Single-knob moves around the current config, in bounds, where the window shows a reason (each
     mover of ``MOVERS``, then ``move_other``; ``exhaustive`` moves every knob); ``suggestion``: the
@@ -296,7 +299,8 @@ def propose(obs: Observation, bounds: Bounds, *, safety: Safety = Safety(), caus
     if cfg != obs.config:
         out.add(cfg, "into the bounds")
     m = Moves(obs, cfg, bounds, thresholds, safety, memory or MemoryPicture.from_observation(obs), exhaustive,
-              slo_tpot_s is not None and obs.tpot_p95_s > slo_tpot_s)
+              slo_tpot_s is not None and obs.tpot_p95_s > slo_tpot_s,
+              obs.queue_time_p95_s <= thresholds.short_queue_s(slo_ttft_s))
     for mover in (*(f for _, f in MOVERS), move_other):
         for why, ch in mover(m):
             out.add(_try(cfg, bounds, **ch), why)

@@ -322,8 +322,7 @@ def prefill_stalls_decodes(w: Window) -> Diagnosis | None:
         return None
     # ... and the queue is short: a long queue is an engine out of capacity (ComputeBound), where
     # smaller prefill chunks only trade TPOT for queueing
-    short = max(w.th.healthy_queue_p99_s, w.th.stall_queue_ttft_share * slo.ttft_s if slo.ttft_s is not None else 0.0)
-    if obs.queue_time_p95_s > short:
+    if obs.queue_time_p95_s > w.th.short_queue_s(slo.ttft_s):
         return None
     decodes = max(1.0, obs.running_mean)
     mixed = [s for s in obs.step_samples if _is_mixed(s, decodes)]

@@ -87,13 +87,19 @@ def measured_figures(obs: Observation) -> dict[str, float]:
 
 class Tuner:
     """One tuner per deployment: settings, the memory between rounds (``state``) and the profile the
-    predictions start from (a named profile, or None to build it from the window's figures)."""
+    predictions start from (a named profile, or None to build it from the window's figures).
+    ``fit_costs`` False: predict with the base profile's costs as they are; the window's step timings
+    still serve the diagnosis (without them a missed TPOT is never traced to its mixed steps)."""
 
     def __init__(self, settings: TunerSettings | None = None, *, base_profile: Profile | None = None,
-                 state: TunerState | None = None) -> None:
+                 state: TunerState | None = None, fit_costs: bool = True) -> None:
         self.settings = settings or TunerSettings()
         self.base_profile = base_profile
         self.state = state or TunerState()
+        self.fit_costs = fit_costs
+
+    def _fitted(self, obs: Observation) -> tuple[Profile, Any]:
+        return fitted(obs if self.fit_costs else obs.with_(step_samples=()), self.base_profile)
 
     def round(self, obs: Observation, trace: Sequence[Any], now: float, *, apply: bool = True,
               decide: bool = True, lead: Sequence[Any] = (), window_start: float | None = None) -> Round:
@@ -109,7 +115,7 @@ class Tuner:
         if st.phase == "Verifying":
             counterfactual = None
             if tr and st.pending is not None:
-                profile, fit = fitted(obs, self.base_profile)
+                profile, fit = self._fitted(obs)
                 before = EngineConfig.model_validate(st.pending.before)
                 # the old config on this window, with the backlog the window inherited when the
                 # trace before it is known (``lead``, in the records' clock, up to ``window_start``)
@@ -130,7 +136,7 @@ class Tuner:
         if not tr:
             return Round(now, obs, diag, cfg, verdict=verdict, note="no trace: nothing to predict with")
         if profile is None:
-            profile, fit = fitted(obs, self.base_profile)
+            profile, fit = self._fitted(obs)
         # every config is scored on the next window: the requests in the engine now, then arrivals
         # like this window's (``Predictor``)
         pred = Predictor(profile, s.slo, backlog=in_engine([*lead, *trace]), vllm=s.vllm)
@@ -179,6 +185,7 @@ class Tuner:
     def candidates(self, obs: Observation, diag: Diagnosis) -> CandidateSet:
         s = self.settings
         cands = propose(obs, s.bounds, safety=s.safety, cause=diag.cause, slo_tpot_s=s.objectives.slo_tpot_s,
+                        slo_ttft_s=s.objectives.slo_ttft_s,
                         suggestion=diag.suggestion, thresholds=s.thresholds)
         cands.configs = [c for c in cands.configs if engine_takes(obs, c)]
         return cands
@@ -269,13 +276,11 @@ def simulate_loop(windows: Sequence[Sequence[TraceRequest]], start: EngineConfig
     ``verify_last``: the last window only verifies the pending change (no new decision), so the run
     never ends on an unverified change.
     """
-    tuner = Tuner(settings, base_profile=base_profile if base_profile is not None else truth)
+    tuner = Tuner(settings, base_profile=base_profile if base_profile is not None else truth, fit_costs=fit_costs)
     cfg = start
     results: list[WindowResult] = []
     for i, w in enumerate(windows):
         obs = measure(w, cfg, truth, settings.slo, window_s=None)
-        if not fit_costs:
-            obs = obs.with_(step_samples=())
         last = verify_last and i == len(windows) - 1
         r = tuner.round(obs, w, now=i * window_s, decide=not last)
         wr = WindowResult(i, cfg, obs.summary or {}, r)

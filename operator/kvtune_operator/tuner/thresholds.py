@@ -78,6 +78,13 @@ class Thresholds:
     #: cost (reading the weights) dominates and smaller chunks only lengthen prefill.
     tpot_budget_step: float = 0.5
     tpot_budget_floor: int = 128
+
+    def short_queue_s(self, slo_ttft_s: float | None) -> float:
+        """p95 queue time under which a missed TPOT is the objective binding, not a queue: there
+        prefill chunks stall decodes and smaller ones help; over it the engine is out of capacity and
+        smaller chunks only trade TPOT for queueing (mix-1 of the oracle bench drifted down to a
+        budget of 256 and lost 76% of its goodput). Diagnosis and candidates both read it."""
+        return max(self.healthy_queue_p99_s, self.stall_queue_ttft_share * slo_ttft_s if slo_ttft_s is not None else 0.0)
     prompt_margin: float = 1.1
     #: (max_num_seqs, max_num_batched_tokens) factors moved together when TPOT misses its objective:
     #: either alone often moves the stall elsewhere
