@@ -233,7 +233,7 @@ def test_mooncake_trace_keeps_its_prefix_sharing(tmp_path):
     r = _run(str(src), "--hash-block", "0")
     assert r.exit_code == 2 and "--hash-block must be >= 1" in r.output
     r = _run(str(_write(tmp_path, "b.csv", BURSTGPT)), "--hash-block", "16")
-    assert r.exit_code == 2 and "--hash-block: only Mooncake traces" in r.output
+    assert r.exit_code == 2 and "--hash-block: only Mooncake and Bailian traces" in r.output
 
 
 def test_a_mooncake_shaped_trace_imports_with_its_sharing(tmp_path):
@@ -262,3 +262,29 @@ def test_malformed_mooncake_lines_name_line_and_field(tmp_path, line, expect):
     src = _write(tmp_path, "m.jsonl", MOONCAKE.splitlines()[0] + "\n" + line + "\n")
     r = _run(str(src))
     assert r.exit_code == 1 and r.output.startswith("Error: ") and expect in r.output, r.output
+
+
+# Alibaba's Qwen-Bailian usage trace layout (its README's record): timestamp in seconds, 16-token hash ids
+BAILIAN = """{"chat_id": 159, "parent_chat_id": -1, "timestamp": 61.114, "input_length": 40, "output_length": 132, "type": "text", "turn": 1, "hash_ids": [1089, 1090, 1091]}
+{"chat_id": 160, "parent_chat_id": 159, "timestamp": 62.5, "input_length": 70, "output_length": 80, "type": "text", "turn": 2, "hash_ids": [1089, 1090, 1092, 1093, 1094]}
+{"chat_id": 161, "parent_chat_id": -1, "timestamp": 63.0, "input_length": 20, "output_length": 9, "type": "search", "turn": 1, "hash_ids": [7, 8]}
+"""
+
+
+def test_bailian_trace_seconds_and_16_token_chains(tmp_path):
+    src = _write(tmp_path, "qwen_traceA_blksz_16.jsonl", BAILIAN)
+    assert detect_format(src) == "bailian"
+    r = _run(str(src))
+    assert r.exit_code == 0, r.output
+    assert _lines(r.stdout) == [
+        {"arrival_s": 0.0, "prompt_tokens": 40, "output_tokens": 132, "hash_ids": [1089, 1090, 1091], "hash_block": 16},
+        {"arrival_s": 1.386, "prompt_tokens": 70, "output_tokens": 80, "hash_ids": [1089, 1090, 1092, 1093, 1094],
+         "hash_block": 16},
+        {"arrival_s": 1.886, "prompt_tokens": 20, "output_tokens": 9, "hash_ids": [7, 8], "hash_block": 16}]
+    # turn 2 repeats turn 1's first 2 blocks: 32 of the 130 chained prompt tokens
+    assert "25% of the chained prompt tokens shared" in r.stderr
+    bad = _write(tmp_path, "b.jsonl", BAILIAN.replace('"input_length": 20,', '"input_length": 10,'))
+    r = _run(str(bad))
+    assert r.exit_code == 1 and "b.jsonl:3: hash_ids has 2 ids; a prompt of 10 tokens at 16 tokens per id" in r.output
+    r = _run(str(_write(tmp_path, "t.jsonl", BAILIAN.replace('"timestamp": 62.5', '"timestamp": "later"'))))
+    assert r.exit_code == 1 and "t.jsonl:2: timestamp (s) must be a number" in r.output

@@ -182,7 +182,7 @@ def gen(scenario: str | None, use_mix: bool, seed: int, output: str | None, **mi
 @trace.command("import")
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["azure", "burstgpt", "guidellm", "inference-perf", "mooncake",
-                                                               "kvtune"]),
+                                                               "bailian", "kvtune"]),
               default=None, help="The source's format (default: detected from its header or structure).")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True), default=None,
               help="Write here instead of stdout.")
@@ -196,11 +196,12 @@ def gen(scenario: str | None, use_mix: bool, seed: int, output: str | None, **mi
 @click.option("--benchmark", type=click.IntRange(min=1), default=None,
               help="guidellm: only the Nth benchmark of the report (default: all, on their own clock).")
 @click.option("--hash-block", type=int, default=None,
-              help="Mooncake: tokens per hash id when the file's ids are not Mooncake's 512.")
+              help="Mooncake, Bailian: tokens per hash id when the file's ids are not the layout's "
+                   "(Mooncake 512, Bailian 16).")
 def import_(source: str, fmt: str | None, output: str | None, **opts) -> None:
     """Convert a request log (Azure LLM trace CSV, BurstGPT CSV, guidellm benchmarks JSON,
-    inference-perf per_request_lifecycle_metrics.json, Mooncake JSONL with hash_ids) into a kvtune
-    JSONL trace."""
+    inference-perf per_request_lifecycle_metrics.json, Mooncake or Alibaba Bailian JSONL with
+    hash_ids) into a kvtune JSONL trace."""
     from .trace import TraceError, write_trace
     from .trace_import import import_trace
 

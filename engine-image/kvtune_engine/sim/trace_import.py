@@ -24,11 +24,14 @@ and output token counts) and never any text:
                     hash_ids (one id per 512-token block; equal leading ids = a shared prefix), kept
                     as our hash_ids so the prefix sharing replays (`hash_block` if a file's ids
                     cover another block size)
+    bailian         Alibaba's Qwen-Bailian usage traces (qwen-bailian-usagetraces-anon, e.g.
+                    qwen_traceA_blksz_16.jsonl): the same fields with timestamp in seconds and
+                    hash_ids of 16 tokens each (chat_id, parent_chat_id, type, turn: not needed,
+                    the chain already holds the session's shared context)
     kvtune          our own JSONL (to slice, rescale or cap it)
 
 Not read: ServeGen (Alibaba) publishes per-client distributions of rates and lengths, not a request
-log; Alibaba's Qwen traces (qwen_traceA_blksz_16.jsonl, with chat_id and parent_chat_id) were not
-confirmed field by field here (the timestamp's unit), so no reader guesses their layout.
+log.
 
 Failed requests are dropped and counted, never replayed: a BurstGPT row with Response tokens 0 (its
 README: the failures), a guidellm request that errored or was cut off (incomplete: its output
@@ -57,7 +60,9 @@ from typing import Any, Iterable
 
 from .trace import HASH_BLOCK, TraceError, TraceRequest, chain_sharing, parse_chain, read_trace
 
-FORMATS = ("azure", "burstgpt", "guidellm", "inference-perf", "mooncake", "kvtune")
+FORMATS = ("azure", "burstgpt", "guidellm", "inference-perf", "mooncake", "bailian", "kvtune")
+#: the block-chain JSONL layouts: (seconds per timestamp unit, tokens per hash id, the unit's name)
+CHAIN_LAYOUTS = {"mooncake": (0.001, HASH_BLOCK, "ms"), "bailian": (1.0, 16, "s")}
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length")
@@ -131,7 +136,7 @@ def detect_format(path: str | Path) -> str:
         if isinstance(obj, dict) and "arrival_s" in obj:
             return "kvtune"
         if isinstance(obj, dict) and {"input_length", "output_length"} <= obj.keys():
-            return "mooncake"
+            return "bailian" if "chat_id" in obj else "mooncake"
         if s.startswith("["):
             return "inference-perf" if '"start_time"' in head else _unknown(name, "a JSON list")
         if re.search(r'"benchmarks"\s*:', head):
@@ -151,7 +156,7 @@ def detect_format(path: str | Path) -> str:
 def _unknown(name: str, what: str) -> str:
     raise TraceError(f"{name}:1: cannot tell the format from {what}; expected an Azure trace CSV "
                      f"({', '.join(AZURE_COLUMNS)}), a BurstGPT CSV ({', '.join(BURSTGPT_COLUMNS)}), a guidellm "
-                     "benchmarks JSON, inference-perf's per_request_lifecycle_metrics.json, a Mooncake JSONL trace "
+                     "benchmarks JSON, inference-perf's per_request_lifecycle_metrics.json, a Mooncake or Bailian JSONL trace "
                      f"({', '.join(MOONCAKE_FIELDS)}, hash_ids) or a kvtune JSONL "
                      "trace (--format forces one)")
 
@@ -286,8 +291,11 @@ def read_burstgpt(name: str, out: Imported, model: str | None = None) -> list[_R
 # JSONL readers
 
 
-def read_mooncake(name: str, out: Imported, hash_block: int = HASH_BLOCK) -> list[_Row]:
-    """Mooncake's layout, one request a line: timestamp in ms, lengths, an optional hash chain."""
+def read_chain_jsonl(name: str, out: Imported, fmt: str, hash_block: int | None = None) -> list[_Row]:
+    """Mooncake's or Bailian's layout, one request a line: timestamp, lengths, an optional hash chain."""
+    per_unit, default_block, unit = CHAIN_LAYOUTS[fmt]
+    hash_block = hash_block or default_block
+    label = "Mooncake" if fmt == "mooncake" else "Bailian"
     rows = []
     for line, raw in enumerate(_text(name).splitlines(), 1):
         s = raw.strip()
@@ -301,11 +309,11 @@ def read_mooncake(name: str, out: Imported, hash_block: int = HASH_BLOCK) -> lis
             raise _Bad(line, f"expected a JSON object, got {type(obj).__name__}")
         missing = [k for k in MOONCAKE_FIELDS if k not in obj]
         if missing:
-            raise _Bad(line, f"not a Mooncake trace line: no {', '.join(missing)}")
+            raise _Bad(line, f"not a {label} trace line: no {', '.join(missing)}")
         out.read += 1
-        ms = _seconds(obj["timestamp"], "timestamp (ms)", line)
-        if ms < 0:
-            raise _Bad(line, f"timestamp must be >= 0 ms (got {json.dumps(obj['timestamp'])})")
+        t = _seconds(obj["timestamp"], f"timestamp ({unit})", line)
+        if t < 0:
+            raise _Bad(line, f"timestamp must be >= 0 {unit} (got {json.dumps(obj['timestamp'])})")
         prompt = _count(obj["input_length"], "input_length", line)
         output = _count(obj["output_length"], "output_length", line)
         ids: tuple[int, ...] = ()
@@ -314,9 +322,9 @@ def read_mooncake(name: str, out: Imported, hash_block: int = HASH_BLOCK) -> lis
                 ids, _ = parse_chain(obj, prompt, block=hash_block)
             except ValueError as e:
                 raise _Bad(line, str(e)) from None
-        rows.append(_Row(ms / 1000.0, prompt, output, ids=ids, block=hash_block))
+        rows.append(_Row(t * per_unit, prompt, output, ids=ids, block=hash_block))
     if not rows:
-        raise TraceError(f"{name}: no requests in the Mooncake trace")
+        raise TraceError(f"{name}: no requests in the {label} trace")
     return rows
 
 
@@ -478,8 +486,8 @@ def import_trace(path: str | Path, fmt: str | None = None, *, speedup: float = 1
         raise ValueError("model: only BurstGPT traces name a model per request")
     if benchmark is not None and fmt != "guidellm":
         raise ValueError("benchmark: only guidellm reports hold several benchmarks")
-    if hash_block is not None and fmt != "mooncake":
-        raise ValueError("hash_block: only Mooncake traces carry hash ids without their block size")
+    if hash_block is not None and fmt not in CHAIN_LAYOUTS:
+        raise ValueError("hash_block: only Mooncake and Bailian traces carry hash ids without their block size")
     if hash_block is not None and hash_block < 1:
         raise ValueError(f"hash_block must be >= 1 token per id (got {hash_block})")
     out = Imported([], fmt)
@@ -489,8 +497,8 @@ def import_trace(path: str | Path, fmt: str | None = None, *, speedup: float = 1
             rows = read_azure(name, out)
         elif fmt == "burstgpt":
             rows = read_burstgpt(name, out, model)
-        elif fmt == "mooncake":
-            rows = read_mooncake(name, out, hash_block or HASH_BLOCK)
+        elif fmt in CHAIN_LAYOUTS:
+            rows = read_chain_jsonl(name, out, fmt, hash_block)
         elif fmt == "kvtune":
             reqs = read_trace(name)
             out.read = len(reqs)
