@@ -110,3 +110,14 @@ def test_chain_sharing_reads_the_longest_earlier_common_prefix():
     # 2 ids with the first; all 3 with the first (capped at its own 1200 tokens); none; 1 id, capped at 300;
     # 2 ids of 64 tokens
     assert chain_sharing(chains) == [0, 1024, 1200, 0, 300, 128]
+
+
+def test_the_real_engine_load_builds_chain_prompts_that_share_exactly_the_common_blocks():
+    from tests.vllm.load import chain_prefix
+    a = chain_prefix({"prompt_tokens": 1300, "hash_ids": [4, 5, 6]})
+    b = chain_prefix({"prompt_tokens": 1536, "hash_ids": [4, 5, 9]})
+    c = chain_prefix({"prompt_tokens": 100, "hash_ids": [4, 5, 6], "hash_block": 64})
+    assert len(a) == 1300 and len(b) == 1536 and a[:1024] == b[:1024]
+    assert sum(x != y for x, y in zip(a[1024:1040], b[1024:1040])) > 8     # they part at the third block
+    assert c[:64] == chain_prefix({"prompt_tokens": 64, "hash_ids": [4], "hash_block": 64}) and len(c) == 100
+    assert chain_prefix({"prompt_tokens": 10}) == []

@@ -20,13 +20,24 @@ def prompt_ids(n: int, seed: int, vocab: int = 500, prefix: Sequence[int] = ()) 
     return list(prefix) + [rng.randrange(3, vocab) for _ in range(max(0, n - len(prefix)))]
 
 
+def chain_prefix(r: dict[str, Any], vocab: int = 500) -> list[int]:
+    """The tokens a trace record's hash chain fixes: each id's ``hash_block`` tokens drawn from the id
+    alone, so records with the same first k ids agree on their first k blocks (and, w.h.p., differ at
+    the next), cut to the prompt's length; empty without a chain."""
+    hb = int(r.get("hash_block") or 512)
+    out: list[int] = []
+    for h in r.get("hash_ids") or ():
+        out += prompt_ids(hb, 1_000_003 * int(h) + 17, vocab)
+    return out[:int(r["prompt_tokens"])]
+
+
 async def _one(client: httpx.AsyncClient, url: str, model: str, r: dict[str, Any], seed: int,
                t0: float, results: list) -> None:
     delay = float(r.get("arrival_s", 0.0)) - (time.monotonic() - t0)
     if delay > 0:
         await asyncio.sleep(delay)
     prefix = prompt_ids(int(r.get("prefix_tokens", 0)), hash(r.get("prefix_group")) & 0xFFFF) \
-        if r.get("prefix_group") else ()
+        if r.get("prefix_group") else chain_prefix(r)
     body = completion_body(model, prompt_ids(int(r["prompt_tokens"]), seed, prefix=prefix), int(r["output_tokens"]))
     sent = time.monotonic()
     resp = await client.post(url + "/v1/completions", json=body)
