@@ -106,10 +106,10 @@ def test_malformed_chains_name_the_line_and_field(fields, msg):
 def test_chain_sharing_reads_the_longest_earlier_common_prefix():
     from kvtune_engine.sim.trace import chain_sharing
     chains = [((1, 2, 3), 512, 1500), ((1, 2, 4), 512, 1536), ((1, 2, 3), 512, 1200), ((9,), 512, 100),
-              ((1,), 512, 300), ((1, 2), 64, 128)]
+              ((1,), 512, 300), ((1, 2), 64, 128), ((9, 7), 512, 900)]
     # 2 ids with the first; all 3 with the first (capped at its own 1200 tokens); none; 1 id, capped at 300;
-    # 2 ids of 64 tokens
-    assert chain_sharing(chains) == [0, 1024, 1200, 0, 300, 128]
+    # 2 ids of 64 tokens; id 9, but the one before with it had only 100 tokens
+    assert chain_sharing(chains) == [0, 1024, 1200, 0, 300, 128, 100]
 
 
 def test_the_real_engine_load_builds_chain_prompts_that_share_exactly_the_common_blocks():
@@ -121,3 +121,17 @@ def test_the_real_engine_load_builds_chain_prompts_that_share_exactly_the_common
     assert sum(x != y for x, y in zip(a[1024:1040], b[1024:1040])) > 8     # they part at the third block
     assert c[:64] == chain_prefix({"prompt_tokens": 64, "hash_ids": [4], "hash_block": 64}) and len(c) == 100
     assert chain_prefix({"prompt_tokens": 10}) == []
+
+
+def test_the_tuner_reads_a_chains_sharing_from_engine_records_and_trace_requests():
+    from kvtune_operator.tuner.observation import LengthStats
+    recs = [{"arrival_s": 0.0, "prompt_tokens": 1200, "output_tokens": 5, "hash_ids": [1, 2, 3]},
+            {"arrival_s": 1.0, "prompt_tokens": 1500, "output_tokens": 5, "hash_ids": [1, 2, 4]},
+            {"arrival_s": 2.0, "prompt_tokens": 300, "output_tokens": 5, "hash_ids": [9]},
+            {"arrival_s": 3.0, "prompt_tokens": 600, "output_tokens": 5, "hash_ids": [9, 10]}]
+    for records in (recs, [TraceRequest(r["arrival_s"], r["prompt_tokens"], r["output_tokens"],
+                                        hash_ids=tuple(r["hash_ids"]), hash_block=r.get("hash_block", 512))
+                           for r in recs]):
+        L = LengthStats.from_trace(records)
+        # the second shares 1024 tokens with the first, the fourth the third's whole 300-token prompt
+        assert L.prefix_share == 0.5 and L.prefix_tokens_mean == (1024 + 300) / 2 and L.prefix_groups == 2

@@ -126,20 +126,23 @@ def parse_chain(obj: dict, prompt: int, ids_key: str = "hash_ids",
 
 def chain_sharing(chains: Iterable[tuple[Sequence[int], int, int]]) -> list[int]:
     """For each (hash_ids, hash_block, prompt_tokens), in order: how many of its prompt tokens an
-    earlier request's chain already covered (the longest common leading ids, in tokens). The one
-    reading of a chain's sharing that the import summary and the tuner's length statistics use."""
-    root: dict = {}
+    earlier request had too (the longest common leading ids, in tokens, within both prompts). The
+    one reading of a chain's sharing that the import summary and the tuner's length statistics use."""
+    root: dict = {}   # id -> [children, the longest prompt that went through this id]
     out = []
     for ids, block, prompt in chains:
-        node, k = root, 0
+        children, k, reach = root, 0, 0
         for h in ids:
-            nxt = node.get(h)
-            if nxt is None:
+            node = children.get(h)
+            if node is None:
                 break
-            node, k = nxt, k + 1
-        out.append(min(k * block, prompt))
-        for h in ids[k:]:
-            node = node.setdefault(h, {})
+            children, k, reach = node[0], k + 1, node[1]
+        out.append(min(k * block, prompt, reach))
+        children = root
+        for h in ids:
+            node = children.setdefault(h, [{}, 0])
+            node[1] = max(node[1], prompt)
+            children = node[0]
     return out
 
 
