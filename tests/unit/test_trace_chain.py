@@ -94,6 +94,7 @@ def test_old_prefix_groups_and_chains_in_one_trace_round_trip():
     ('"hash_block": 64', "hash_block needs hash_ids"),
     ('"hash_ids": [1], "prefix_group": "g", "prefix_tokens": 5', "a request carries prefix_group or hash_ids, not both"),
 ])
+
 def test_malformed_chains_name_the_line_and_field(fields, msg):
     text = ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 3}\n'
             '{"arrival_s": 0, "prompt_tokens": 600, "output_tokens": 3, ' + fields + '}\n')
@@ -101,6 +102,13 @@ def test_malformed_chains_name_the_line_and_field(fields, msg):
     src.name = "t.jsonl"
     with pytest.raises(TraceError, match=f"^t.jsonl:2: {msg}"):
         read_trace(src)
+
+
+def test_a_mooncake_file_given_to_the_loader_says_to_import_it(tmp_path):
+    (tmp_path / "m.jsonl").write_text('{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n')
+    with pytest.raises(TraceError, match=r"m.jsonl:1: missing arrival_s, prompt_tokens, output_tokens: a Mooncake .*"
+                                         r"`kvtune trace import` first"):
+        read_trace(tmp_path / "m.jsonl")
 
 
 def test_chain_sharing_reads_the_longest_earlier_common_prefix():

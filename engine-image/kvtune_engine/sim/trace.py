@@ -77,6 +77,9 @@ def parse_request(obj: object) -> TraceRequest:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     missing = [k for k in FIELDS[:3] if k not in obj]
+    if missing and "input_length" in obj:
+        raise ValueError(f"missing {', '.join(missing)}: a Mooncake or Bailian line (input_length); "
+                         "convert the file with `kvtune trace import` first")
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
     a = obj["arrival_s"]
