@@ -1,6 +1,8 @@
 """The tuner against an oracle, in the simulator.
 
-For each of the six scenarios of the field reports and a few random mixes:
+For each of the six scenarios of the field reports, the objective-bound workloads (a missed TPOT
+with nothing waiting: prefill-stall, compute-bound, and issue 20's classify, summarise, chat-tight)
+and a few random mixes:
 
 * oracle: exhaustive search over a grid of configs, each replayed through the simulator on the
   evaluation trace (the workload's trace with seed 0); the best goodput is the oracle's;
@@ -23,7 +25,7 @@ Goals (issue 5 section 6): tuned >= 0.95 of the oracle, within <= 3 restarts, no
 Runtime: each simulator replay takes 0.1-0.4 s of CPU; the oracle grids are 32-64 configs per
 workload (block size x memory x max_num_seqs x token budget/chunked prefill, plus swap or prefix
 caching where the workload needs them) and the tuner makes 10-30 predictions per window on a
-shortened window, so the whole run is about 3-4 minutes of one core (``--only NAME`` for one).
+shortened window, so the whole run is about 3 minutes of one core (``--only NAME`` for one).
 
     python bench/tuner_vs_oracle.py [--only seq-cap] [--json out.json]
 """
