@@ -10,6 +10,7 @@ real engine on a tiny model.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -125,6 +126,18 @@ def _make_namespace(controlplane, prefix: str) -> str:
     eventually(lambda: controlplane.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0,
                what="the default ServiceAccount")
     return name
+
+
+@contextlib.contextmanager
+def engine_namespace(controlplane, pod_node, prefix: str):
+    """A fresh namespace whose pods the pod node runs (and no other test's); on exit it is deleted
+    and its engine processes are waited for, so the next module starts on a quiet machine."""
+    ns = _make_namespace(controlplane, prefix)
+    with pod_node.restricted_to(ns):
+        yield ns
+        controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+        eventually(lambda: not [p for p in pod_node.pods.values() if p.namespace == ns], timeout=60,
+                   what="the engine processes to stop")
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ import pytest
 
 from .e2e_load import OpenLoopLoad, served_rate
 from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
-    OperatorProcess, _make_namespace, condition, crd, eventually, get,
+    OperatorProcess, engine_namespace, condition, crd, eventually, get,
 )
 from .test_tuner_e2e import LABEL, VOCAB, log, model, start_engine, url_of  # noqa: F401 - model is a fixture
 from kvtune_operator.demo.load import completion_body
@@ -47,12 +47,8 @@ STREAMS = 8        # the deployment's maxNumSeqs: all of them run at once
 
 @pytest.fixture(scope="module")
 def honest_ns(controlplane, crd, pod_node):  # noqa: F811 - crd is a fixture
-    ns = _make_namespace(controlplane, "honest")
-    with pod_node.restricted_to(ns):
+    with engine_namespace(controlplane, pod_node, "honest") as ns:
         yield ns
-        controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        eventually(lambda: not [p for p in pod_node.pods.values() if p.namespace == ns], timeout=60,
-                   what="the engine processes to stop")
 
 
 class StatusWatch:

@@ -50,7 +50,7 @@ from tests.infd import infd_body
 
 from .e2e_load import OpenLoopLoad, served_rate
 from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
-    SELECTOR, OperatorProcess, _make_namespace, admin_key, condition, crd, eventually, get,
+    SELECTOR, OperatorProcess, engine_namespace, admin_key, condition, crd, eventually, get,
 )
 
 pytestmark = pytest.mark.integration
@@ -89,14 +89,9 @@ def model():
 
 
 @pytest.fixture(scope="module")
-def tune_ns(controlplane, crd, pod_node):
-    ns = _make_namespace(controlplane, "tune")
-    with pod_node.restricted_to(ns):
+def tune_ns(controlplane, crd, pod_node):  # noqa: F811 - crd is a fixture
+    with engine_namespace(controlplane, pod_node, "tune") as ns:
         yield ns
-        controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        # this namespace's engine processes go with their pods (the pod node stops them)
-        eventually(lambda: not [p for p in pod_node.pods.values() if p.namespace == ns], timeout=60,
-                   what="the engine processes to stop")
 
 
 @pytest.fixture(scope="module")

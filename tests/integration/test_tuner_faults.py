@@ -33,7 +33,7 @@ import pytest
 
 from .e2e_load import OpenLoopLoad, served_rate
 from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
-    OperatorProcess, _make_namespace, admin_key, condition, crd, eventually, get,
+    OperatorProcess, engine_namespace, admin_key, condition, crd, eventually, get,
 )
 from .test_tuner_e2e import (  # noqa: F401 - model is a fixture
     LABEL, VOCAB, WINDOW, delete_and_wait, engine_state, first_apply, history, infd, log, model, replica_sets,
@@ -46,12 +46,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def faults_ns(controlplane, crd, pod_node):  # noqa: F811 - crd is a fixture
-    ns = _make_namespace(controlplane, "faults")
-    with pod_node.restricted_to(ns):
+    with engine_namespace(controlplane, pod_node, "faults") as ns:
         yield ns
-        controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
-        eventually(lambda: not [p for p in pod_node.pods.values() if p.namespace == ns], timeout=60,
-                   what="the engine processes to stop")
 
 
 def _operator(controlplane, prometheus, ns: str, log_path) -> OperatorProcess:
