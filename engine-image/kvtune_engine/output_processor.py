@@ -18,7 +18,7 @@ from .core.batch import Batch, StepOutput
 from .core.request import FinishReason, Request
 from .detokenizer import Detokenizer, DetokState
 from .metrics import Histogram, new_histograms
-from .outputs import RequestOutput, TokenLogprob
+from .outputs import RequestOutput, SoFar, TokenLogprob
 from .sim.trace_recorder import TraceRecorder
 
 log = logging.getLogger("kvtune.engine")
@@ -223,13 +223,15 @@ class OutputProcessor:
         r, st = tr.request, tr.detok
         delta = st.release(finished)
         n_out = len(r.output_token_ids) if reason is not FinishReason.ERROR else st.num_seen
+        lps = tr.logprobs
         return RequestOutput(
-            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, text=st.text[:st.released],
-            delta_text=delta, token_ids=list(r.output_token_ids[:n_out]), new_token_ids=list(new),
-            finished=finished, finish_reason=reason.value if reason else None,
+            request_id=r.request_id, prompt_token_ids=r.prompt_token_ids, delta_text=delta,
+            new_token_ids=list(new), finished=finished,
+            so_far=SoFar(r.output_token_ids, n_out, st.text, st.released, st.offsets, lps,
+                         len(lps) if lps is not None else 0),
+            finish_reason=reason.value if reason else None,
             stop_reason=tr.stop_reason if finished else None, num_cached_tokens=r.num_cached_tokens,
-            logprobs=tr.logprobs, new_logprobs=new_lps, text_offsets=list(st.offsets[:n_out]),
-            error=r.error,
+            new_logprobs=new_lps, error=r.error,
             metrics={"arrival_s": r.arrival_s, "first_scheduled_s": r.first_scheduled_s,
                      "first_token_s": r.first_token_s, "last_token_s": r.last_token_s},
         )
