@@ -1,7 +1,9 @@
 """Replays a request trace against an engine's OpenAI API, on its own thread and event loop.
 
 Prompts are token-id lists with `ignore_eos` and `max_tokens`, so each request has exactly the shape
-the trace gives. A request that finds the engine down (a restart) retries until it is back: the load
+the trace gives, its sharing included: requests of one prefix group start with the same
+`prefix_tokens` ids, and requests whose hash chains agree on their first k ids agree on their first k
+blocks of `hash_block` tokens (`shared_ids`), so an engine's prefix cache sees what the trace says. A request that finds the engine down (a restart) retries until it is back: the load
 goes on across restarts, as clients of a Service would.
 """
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import random
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +24,22 @@ from kvtune_engine.sim.trace import TraceRequest
 def completion_body(model: str, prompt: list[int], output_tokens: int) -> dict:
     """A request of exactly this shape: token ids in, ``output_tokens`` out (EOS ignored)."""
     return {"model": model, "prompt": prompt, "max_tokens": output_tokens, "ignore_eos": True, "temperature": 0.0}
+
+
+def shared_ids(req: TraceRequest, vocab: int, low: int = 16) -> list[int]:
+    """The ids a request shares with others of its prefix group or hash chain, drawn from the group's
+    name or each hash id alone (the same in every process: crc32, not Python's salted hash)."""
+    def draw(seed: int, n: int) -> list[int]:
+        rng = random.Random(seed)
+        return [rng.randrange(low, vocab) for _ in range(n)]
+    if req.prefix_group is not None:
+        return draw(zlib.crc32(req.prefix_group.encode()), min(req.prefix_tokens, req.prompt_tokens))
+    out: list[int] = []
+    for h in req.hash_ids:
+        if len(out) >= req.prompt_tokens:
+            break
+        out += draw(1_000_003 * h + 17, req.hash_block)
+    return out[:req.prompt_tokens]
 
 
 @dataclass
@@ -53,11 +72,12 @@ class LoadGenerator:
         if self._thread:
             self._thread.join(30)
 
-    def _prompt(self, n: int) -> list[int]:
-        return [self.rng.randrange(16, self.vocab) for _ in range(n)]
+    def _prompt(self, req: TraceRequest) -> list[int]:
+        shared = shared_ids(req, self.vocab)
+        return shared + [self.rng.randrange(16, self.vocab) for _ in range(req.prompt_tokens - len(shared))]
 
     async def _one(self, client: httpx.AsyncClient, req: TraceRequest, sem: asyncio.Semaphore) -> None:
-        body = completion_body(self.model, self._prompt(req.prompt_tokens), req.output_tokens)
+        body = completion_body(self.model, self._prompt(req), req.output_tokens)
         async with sem:
             self.stats.sent += 1
             while not self._stop.is_set():
