@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import ConfigError, EngineConfig
+from .config import ConfigError, EngineConfig, for_device
 from .core.scheduler import Scheduler
 from .engine import LLMEngine
 from .model import ModelConfig, load_tokenizer
@@ -33,11 +33,12 @@ def build_engine(model_dir: str | Path, config: EngineConfig | None = None, *, d
                  dtype: str | None = None, served_model_name: str | None = None,
                  clock: Callable[[], float] = time.monotonic, seed: int | None = None,
                  **runner_kwargs: Any) -> LLMEngine:
-    """The factory: tokenizer + ModelRunner (loads weights, sizes the KV cache) + Scheduler."""
+    """The factory: tokenizer + ModelRunner (loads weights, sizes the KV cache) + Scheduler. Knobs
+    left unset take this device's defaults (``config.for_device``: KV blocks of 128 tokens on CPU)."""
     d = Path(model_dir)
     if not d.is_dir():
         raise FileNotFoundError(f"model directory {model_dir} does not exist")
-    config = resolve_max_model_len(config or EngineConfig(), ModelConfig.from_dir(d))
+    config = resolve_max_model_len(for_device(config or EngineConfig(), device), ModelConfig.from_dir(d))
     tok = load_tokenizer(d)
     runner = ModelRunner(d, config, device=device, dtype=dtype or "auto", seed=seed, **runner_kwargs)
     sched = Scheduler(config, runner.num_blocks, runner.num_swap_blocks)

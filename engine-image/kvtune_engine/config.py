@@ -11,10 +11,10 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
-from .knobs import BLOCK_SIZES, LIVE_KNOBS, RESTART_KNOBS, TABLE, Knob, check
+from .knobs import BLOCK_SIZES, LIVE_KNOBS, RESTART_KNOBS, TABLE, Knob, check, device_default
 
 __all__ = ["BLOCK_SIZES", "LIVE_KNOBS", "RESTART_KNOBS", "ConfigError", "EngineConfig", "check_knobs",
-           "format_validation_error"]
+           "for_device", "format_validation_error"]
 
 
 class ConfigError(ValueError):
@@ -62,6 +62,33 @@ class _Config(BaseModel):
     def as_flags(self) -> dict[str, Any]:
         """vLLM-style flag names (dashes) -> values."""
         return {k.replace("_", "-"): v for k, v in self.model_dump().items() if v is not None}
+
+
+def for_device(config: Any, device: str) -> Any:
+    """The config the engine runs with on ``device``: each knob left unset that has a default of
+    its own there (``Knob.device_defaults``: the KV block size on CPU) takes it; a knob set (a flag,
+    the operator's config file, the tuner's bound) stays as set. Where the device's default would
+    make the config invalid (a token budget under one block), the nearest smaller choice that fits."""
+    changes: dict[str, Any] = {}
+    for k in config.TABLE:
+        if k.name in config.model_fields_set or not k.device_defaults:
+            continue
+        v = device_default(k, device)
+        if v == getattr(config, k.name):
+            continue
+        tries = [v] + sorted((c for c in (k.choices or ()) if c < v), reverse=True) if k.choices else [v]
+        for t in tries:
+            try:
+                config.with_changes(**changes, **{k.name: t})
+            except ConfigError:
+                continue
+            changes[k.name] = t
+            break
+    if not changes:
+        return config
+    checked = config.with_changes(**changes)
+    # what was set stays set, the device's defaults stay defaults (max_model_len's resolution reads it)
+    return type(config).model_construct(_fields_set=set(config.model_fields_set), **checked.model_dump())
 
 
 def format_validation_error(e: ValidationError) -> str:

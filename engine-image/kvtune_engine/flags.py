@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from .config import ConfigError, EngineConfig
+from .knobs import defaults_text
 
 
 def flag_names(msg: str, config: type[EngineConfig] = EngineConfig) -> str:
@@ -26,13 +27,21 @@ def engine_config(values: dict[str, Any], config: type[EngineConfig] = EngineCon
         raise click.UsageError(flag_names(str(e), config)) from None
 
 
-def engine_options(f, config: type[EngineConfig] = EngineConfig):
-    """Decorate a click command with one option per knob of ``config`` (value None when not given)."""
+def engine_options(f, config: type[EngineConfig] = EngineConfig, per_device: bool = False):
+    """Decorate a click command with one option per knob of ``config`` (value None when not given);
+    ``per_device``: the command runs a model on a device, so the help names each device's default
+    (``[default: 16; 128 on cpu]``)."""
     for k in reversed(config.TABLE):
-        default = "" if k.default is None else f" [default: {str(k.default).lower() if k.type is bool else k.default}]"
+        shown = defaults_text(k) if per_device else str(k.default).lower() if k.type is bool else str(k.default)
+        default = "" if k.default is None else f" [default: {shown}]"
         if k.type is bool:
             opt = click.option(f"{k.flag}/--no-{k.flag[2:]}", k.name, default=None, help=k.doc + default)
         else:
             opt = click.option(k.flag, k.name, type=k.type, default=None, help=k.doc + default)
         f = opt(f)
     return f
+
+
+def device_engine_options(f):
+    """``engine_options`` for a command that runs a model on a device (``kvtune serve``)."""
+    return engine_options(f, per_device=True)

@@ -4,7 +4,9 @@ line, whether a change is live or needs a restart, the values the engine accepts
 values a deployment may set (``allowed``, inside the limits) and the tuner's default search range
 (``search``, inside ``allowed``).
 
-EngineConfig (its fields), the CLI flags, the resource's schema, the tuner's bounds and candidates
+A knob whose best default differs by device names it per device (``device_defaults``: the KV block
+size, 128 on CPU, 16 on CUDA); the engine takes it at start-up where the knob is not set
+(``config.for_device``). EngineConfig (its fields), the CLI flags, the resource's schema, the tuner's bounds and candidates
 and the vLLM runtime are all generated from this table: adding a knob is one row here (plus the code
 that acts on it). Invariant (`check`): the ranges nest (search in allowed in limits) and every
 default lies inside them. A leaf module: it imports nothing of the engine.
@@ -40,6 +42,9 @@ class Knob:
     vllm: str | None = None
     vllm_default: Any = None       # vLLM's default where it differs from ours
     from_model: str | None = None  # unset, the engine takes this value of the model's (what it is)
+    #: (device type, value) where the best default differs by device: unset, the engine takes the value
+    #: of the device it starts on (``device_default``); elsewhere ``default``
+    device_defaults: tuple[tuple[str, Any], ...] = ()
 
     @property
     def flag(self) -> str:
@@ -56,9 +61,16 @@ class Knob:
 
 
 _FRACTION = (Gt(0.0), Le(1.0))
+#: The KV block size on CPU: 128, the size whose tiles (32 KiB per head in fp32 at head_dim 64) the
+#: CPU decode kernel (attention/cpu_paged.cpp) reads fastest: bench/cpu_block_size.py, 256 sequences
+#: of the engine benchmark's contexts, 1.34x block size 16's median (64: 1.26x, 32: 1.13x, 8: 0.85x;
+#: a busy machine); vLLM picks 128 on CPU too. CUDA keeps 16: what its decode kernels page by, and
+#: small blocks waste less of a GPU's scarcer KV memory.
+CPU_BLOCK_SIZE = 128
 TABLE: tuple[Knob, ...] = (
     Knob("block_size", "blockSize", int, 16, f"Token slots per KV-cache block; one of {', '.join(map(str, BLOCK_SIZES))}.",
-         live=False, tuned=True, bounded=True, choices=BLOCK_SIZES, vllm="--block-size"),
+         live=False, tuned=True, bounded=True, choices=BLOCK_SIZES, vllm="--block-size",
+         device_defaults=(("cpu", CPU_BLOCK_SIZE),)),
     Knob("gpu_memory_utilization", "gpuMemoryUtilization", float, 0.90,
          "Fraction of device memory the engine may use (weights + activations + KV cache).", live=False,
          limits=_FRACTION, tuned=True, bounded=True, search=(0.1, 0.95), allowed=(0.1, 0.98),
@@ -104,6 +116,27 @@ VLLM_LACKS = frozenset(k.name for k in TABLE if k.vllm is None)
 BOUNDED_KNOBS = tuple(k.name for k in TABLE if k.bounded)
 
 
+def device_type(device: str) -> str:
+    """``cuda:1`` -> ``cuda``."""
+    return device.split(":", 1)[0].strip().lower()
+
+
+def device_default(k: Knob, device: str) -> Any:
+    """The knob's default on this device (``device_defaults``, else ``default``)."""
+    return dict(k.device_defaults).get(device_type(device), k.default)
+
+
+#: The devices the engine runs on (``kvtune serve --device``), the first its default.
+DEVICES = ("cpu", "cuda")
+
+
+def defaults_text(k: Knob) -> str:
+    """Its default as help text, per device where that differs: ``128 on cpu, 16 on cuda``."""
+    if not k.device_defaults:
+        return str(k.default).lower() if k.type is bool else str(k.default)
+    return ", ".join(f"{device_default(k, d)} on {d}" for d in DEVICES)
+
+
 def within_limits(k: Knob, v: float) -> bool:
     """Does the engine accept ``v`` for ``k`` (its ``limits``)?"""
     return all((not isinstance(m, Ge) or v >= m.ge) and (not isinstance(m, Gt) or v > m.gt)
@@ -142,6 +175,12 @@ def check(table: tuple[Knob, ...] = TABLE) -> None:
                       and (k.allowed is None or k.allowed[0] <= k.default <= k.allowed[1]))
             if not inside:
                 raise AssertionError(f"{where}: default {k.default!r} is outside its range")
+        for dev, v in k.device_defaults:
+            if dev not in DEVICES:
+                raise AssertionError(f"{where}: a default on {dev!r}, which is not a device ({', '.join(DEVICES)})")
+            if k.default is None or (v not in k.choices if k.choices else not within_limits(k, v)):
+                raise AssertionError(f"{where}: default {v!r} on {dev} is outside its range "
+                                     "(or the knob has no default)")
         if k.bounded and not (k.tuned and (k.choices or k.search)):
             raise AssertionError(f"{where}: bounded, so it needs tuned=True and choices or a search range")
 

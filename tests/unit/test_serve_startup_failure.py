@@ -36,11 +36,12 @@ def weights_bytes(model: Path) -> int:
 
 def serve(model: Path, *flags: str, timeout: float = 120) -> tuple[int | None, str, str]:
     """Run `kvtune serve`; (exit code, stdout, stderr) if it exits, (None, '', '') once /health
-    answers 200 (then it is stopped)."""
+    answers 200 (then it is stopped). At --block-size 16 (BLOCK_BYTES) unless ``flags`` say another
+    (the last one given wins): the CPU's default is 128 (knobs.CPU_BLOCK_SIZE)."""
     port = free_port()
     p = subprocess.Popen([KVTUNE, "serve", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
                           "--max-model-len", "256", "--max-num-batched-tokens", "256", "--swap-space", "0",
-                          *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          "--block-size", "16", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.monotonic() + timeout
     try:

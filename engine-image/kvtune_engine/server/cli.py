@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from ..config import ConfigError, EngineConfig
-from ..flags import engine_options
+from ..flags import device_engine_options
 
 DEFAULT_PORT = 8000
 #: Where a kubelet looks first for a container's termination message (the default
@@ -103,7 +103,7 @@ def _model_engine(model_dir: str, cfg: EngineConfig, device: str, dtype: str, se
               help="No model: run the real engine with this simulator profile's step costs in wall-clock time "
                    "(a profile name or JSON file, as `kvtune sim --profile`), tokens from a byte tokenizer. "
                    "A test and demo mode; the state API says `simulated: PROFILE`.")
-@engine_options
+@device_engine_options
 @click.option("--served-model-name", default=None, help="Model name in the API (default: the directory name).")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda (cuda:N).")
 @click.option("--dtype", default="auto", show_default=True, help="auto, float32, bfloat16 or float16.")
@@ -223,9 +223,9 @@ def serve(model_dir: str | None, simulate: str | None, served_model_name: str | 
                                             admin_port=admin_port),
                      config_watcher=watcher, on_fatal=on_fatal)
     snap = engine.snapshot()
-    log.info("serving %s on http://%s:%d (device %s, %d KV blocks of %d tokens, %d swap blocks, max_model_len %d)",
-             engine.model_name, host, port, device, snap["blocks"]["total"], cfg.block_size,
-             snap["swap"]["total"], engine.config.max_model_len)
+    log.info("serving %s on http://%s:%d (device %s, dtype %s, %d KV blocks of %d tokens, %d swap blocks, "
+             "max_model_len %d)", engine.model_name, host, port, device, engine.kv_cache_dtype,
+             snap["blocks"]["total"], engine.config.block_size, snap["swap"]["total"], engine.config.max_model_len)
     if not admin_key:
         log.info("no --admin-key: the admin API /kvtune/v1/* answers on loopback only")
     if admin_port is not None:
