@@ -1,7 +1,7 @@
 """Status conditions and the observed replica state, as pure functions of what the operator saw.
 
 Ownership: the reconciler owns Ready, Progressing and Degraded. The tuner (a later issue) owns
-MetricsAvailable and Tuned, and the tuning loop RoundsLate (`rounds_late`, from round_queue.py's lag); the reconciler only initialises them (Unknown) and sets Tuned=False
+MetricsAvailable and Tuned, and the tuning loop RoundsLate (`rounds_late`, from round_queue.py's lag) and PredictionsUnreliable (`predictions_condition`); the reconciler only initialises them (Unknown) and sets Tuned=False
 when autotune is Off. `set_condition` keeps lastTransitionTime while the status does not change.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ METRICS_AVAILABLE = ConditionType.METRICS_AVAILABLE.value
 TUNED = ConditionType.TUNED.value
 DEGRADED = ConditionType.DEGRADED.value
 ROUNDS_LATE = ConditionType.ROUNDS_LATE.value
+PREDICTIONS_UNRELIABLE = ConditionType.PREDICTIONS_UNRELIABLE.value
 
 #: Container waiting reasons that mean the engine cannot start (not merely "starting").
 FAILING_WAITING_REASONS = {
@@ -51,6 +52,16 @@ def rounds_late(lag_s: float, interval_s: float, capacity: int, started_at: floa
                     "operator replicas, or lengthen autotune.interval")
     return Cond(ROUNDS_LATE, "False", "OnSchedule",
                 f"the last tuning round started at {when}, {lag_s:.1f}s after it was due (interval {interval_s:.0f}s)")
+
+
+def predictions_condition(unreliable: str, error: float | None) -> Cond:
+    """PredictionsUnreliable of a tuning round: True while the tuner only recommends because its
+    predictions missed (``unreliable``: TunerState.unreliable_message, with the figures), False
+    otherwise, quoting the running prediction error when there is one."""
+    if unreliable:
+        return Cond(PREDICTIONS_UNRELIABLE, "True", "PredictionErrorHigh", unreliable)
+    said = f"running prediction error {error:.0%}" if error is not None else "no verdict has measured a prediction yet"
+    return Cond(PREDICTIONS_UNRELIABLE, "False", "PredictionsTrusted", said)
 
 
 def set_condition(conditions: Iterable[dict[str, Any]], cond: Cond, *, generation: int | None,

@@ -27,6 +27,9 @@ from pydantic.alias_generators import to_camel
 from kvtune_engine.knobs import BOOLS, BOUNDED_KNOBS, BY_NAME, TABLE, VLLM_LACKS, Knob
 from kvtune_engine.sim.profiles import PROFILES
 
+from .tuner.canary import CanaryJudgement
+from .tuner.canary import Gates as CanaryGateValues
+
 GROUP = "kvtune.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -507,6 +510,34 @@ class Objectives(CRDModel):
         None, ge=0, description="Preemptions per minute (swap + recompute) above which the config is rejected.")
 
 
+class CanaryGates(CRDModel):
+    """What a canary engine must show against its untouched siblings over the same window to be
+    promoted. Omitted gates: goodputRatioMin 0.9 (today's before/after rule: a fall of more than 10%
+    is a regression), no ttft or error gate."""
+
+    goodput_ratio_min: float | None = Field(
+        None, ge=0, description="Least canary / controls slo attainment (share of requests meeting the objectives), "
+                                "e.g. 1.0 for not lower. Default 0.9.")
+    ttft_p99_ratio_max: float | None = Field(
+        None, gt=0, description="Most canary / controls p99 ttft, e.g. 1.25. Default: no ttft gate.")
+    error_rate_max: float | None = Field(
+        None, ge=0, le=1, description="Most share of the canary's requests that fail, e.g. 0.01. Default: no error gate.")
+
+    def gates(self) -> CanaryGateValues:
+        """The tuner's gates, the defaults filled in."""
+        d = CanaryGateValues()
+        return CanaryGateValues(self.goodput_ratio_min if self.goodput_ratio_min is not None else d.goodput_ratio_min,
+                                self.ttft_p99_ratio_max, self.error_rate_max)
+
+
+class CanarySpec(CRDModel):
+    """Canary verification (two or more replicas): a change goes to one engine first, is judged against
+    the others over the same window, then promoted to all or reverted. One replica keeps the
+    before/after verdict."""
+
+    gates: CanaryGates | None = Field(None, description="What the canary must show to be promoted.")
+
+
 #: Where autotune.interval and autotune.window may go (seconds): a round more often than every 5 s
 #: reads windows of less than one scrape; less often than hourly, or a window of more than an hour,
 #: is no closed loop.
@@ -559,6 +590,7 @@ class AutotuneSpec(CRDModel):
     frozen_knobs: list[TunableKnob] | None = Field(  # type: ignore[valid-type]
         None, max_length=len(TUNABLE_KNOBS), json_schema_extra={"x-kubernetes-list-type": "set"},
         description="Knobs the tuner must never change, whatever the bounds.")
+    canary: CanarySpec | None = Field(None, description="Canary verification with two or more replicas: gates.")
 
 
 class MetricsSpec(CRDModel):
@@ -700,13 +732,14 @@ class ConditionType(str, Enum):
     TUNED = "Tuned"
     DEGRADED = "Degraded"
     ROUNDS_LATE = "RoundsLate"
+    PREDICTIONS_UNRELIABLE = "PredictionsUnreliable"
 
 
 class Condition(CRDModel):
     """One aspect of the resource's state, in the Kubernetes condition convention."""
 
-    type: ConditionType = Field(..., description="Ready, Progressing, MetricsAvailable, Tuned, Degraded or "
-                                                 "RoundsLate.")
+    type: ConditionType = Field(..., description="Ready, Progressing, MetricsAvailable, Tuned, Degraded, "
+                                                 "RoundsLate or PredictionsUnreliable.")
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     reason: str = Field(..., min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
                         description="One CamelCase word for machines.")
@@ -733,7 +766,23 @@ class Figures(CRDModel):
     ttft_p95_seconds: float | None = Field(None, ge=0, description="95th percentile time to first token, seconds.")
     tpot_p95_seconds: float | None = Field(None, ge=0, description="95th percentile time per output token, seconds.")
     throughput_tokens_per_second: float | None = Field(None, ge=0, description="Generated tokens per second.")
-    goodput_requests_per_second: float | None = Field(None, ge=0, description="Requests per second meeting the objectives.")
+    goodput_requests_per_second: float | None = Field(
+        None, ge=0, description="Request goodput: requests per second meeting the objectives (ttft and tpot).")
+    goodput_tokens_per_second: float | None = Field(
+        None, ge=0, description="Token goodput: output tokens per second of the requests meeting the objectives.")
+    slo_attainment: float | None = Field(
+        None, ge=0, description="Share of the offered requests that met the objectives (request goodput / offered rate).")
+    ttft_p95_ms: float | None = Field(None, ge=0, description="95th percentile ttft (time to first token), ms.")
+    tpot_p95_ms: float | None = Field(
+        None, ge=0, description="95th percentile tpot (time per output token after the first, per request), ms.")
+    e2el_p95_ms: float | None = Field(None, ge=0, alias="e2elP95Ms",  # vLLM's name, not the generator's e2El
+                                      description="95th percentile e2el (end-to-end request latency), ms.")
+    utilization: float | None = Field(
+        None, ge=0, description="Predicted: the work offered over what the config computes with a full queue; "
+                                "at 0.9 or more a prediction is near saturation and must win across its range.")
+    goodput_range_requests_per_second: list[float] | None = Field(
+        None, min_length=2, max_length=2,
+        description="Predicted request goodput with the engine slower and faster by the cost model's speed error.")
     replicas_needed: int | None = Field(
         None, ge=1, description="Replicas predicted to meet the objectives for this load (compute-bound engines).")
     waiting_reason_shares: dict[str, float] | None = Field(
@@ -767,6 +816,48 @@ class TuningDecision(CRDModel):
     restart: bool = Field(False, description="Whether the change needs a restart (a rollout).")
     predicted: Figures | None = Field(None, description="Simulator prediction for the new knobs.")
     measured: Figures | None = Field(None, description="Measured over the window after the change.")
+    prediction_error_ratio: float | None = Field(
+        None, ge=0, description="Keep and RollBack: |predicted - measured| / measured slo attainment of this verdict.")
+    canary: CanaryStatus | None = Field(
+        None, description="Keep and RollBack judged as a canary: the canary pod, its controls and the gate figures.")
+
+
+class CanaryGateFigure(CRDModel):
+    """One gate of a canary verdict, with the figures it compared."""
+
+    name: Literal["goodputRatioMin", "ttftP99RatioMax", "errorRateMax"] = Field(..., description="The gate.")
+    canary: float = Field(..., description="The canary's figure.")
+    control: float | None = Field(None, description="The controls' figure (none for a gate on the canary alone).")
+    value: float = Field(..., description="What the limit applies to: canary / control, or the canary's rate.")
+    limit: float = Field(..., description="The gate's limit.")
+    passed: bool = Field(..., description="Whether the gate passed.")
+    note: str = Field("", max_length=256, description="What the figures are.")
+
+
+class CanaryStatus(CRDModel):
+    """A canary verdict: the canary pod, its controls over the same window, and each gate's figures."""
+
+    verdict: Literal["Promote", "Revert"] = Field(..., description="Promote to every replica, or revert the canary.")
+    canary: str = Field(..., max_length=253, description="The pod that ran the change.")
+    controls: list[str] = Field(..., max_length=64, description="The untouched pods it was judged against.")
+    gates: list[CanaryGateFigure] = Field(..., max_length=8, description="Each gate with its figures.")
+    window: Duration | None = Field(None, description="The window canary and controls shared.")
+    message: str = Field("", max_length=4096, description="The verdict in one sentence.")
+
+    @classmethod
+    def of(cls, j: CanaryJudgement) -> "CanaryStatus":
+        """The status of a pure canary verdict (tuner/canary.py)."""
+        return cls(verdict=j.verdict, canary=j.canary, controls=list(j.controls),
+                   gates=[CanaryGateFigure(name=g.name, canary=_finite(g.canary),
+                                           control=None if g.control is None else _finite(g.control),
+                                           value=_finite(g.value), limit=g.limit, passed=g.passed, note=g.note)
+                          for g in j.gates],
+                   window=f"{int(j.window_s)}s" if j.window_s else None, message=j.reason[:4096])
+
+
+def _finite(v: float) -> float:
+    """JSON has no infinity: a ratio over a zero control is written as a large finite number."""
+    return v if v == v and abs(v) != float("inf") else (1e9 if v > 0 else -1e9)
 
 
 TUNING_HISTORY_LIMIT = 10
@@ -821,6 +912,14 @@ class TuningStatus(CRDModel):
     restarts: int | None = Field(None, ge=0, description="Restart-requiring changes made so far (rollbacks included).")
     tried_annotation: str | None = Field(
         None, max_length=4096, description="The last kvtune.io/try value handled (it is tried once).")
+    prediction_error: float | None = Field(
+        None, ge=0, description="Running prediction error: a moving average of the verdicts' |predicted - measured| "
+                                "/ measured slo attainment. Above its bound for several verdicts in a row, the tuner "
+                                "only recommends (condition PredictionsUnreliable).")
+    prediction_errors_high: int | None = Field(
+        None, ge=0, description="Verdicts in a row with the running prediction error above its bound.")
+    predictions_unreliable_until: Timestamp | None = Field(
+        None, description="Until when the tuner only recommends: its predictions were found unreliable.")
     trace_source: Literal["recorded", "synthesized"] | None = Field(
         None, description="Where the trace the predictions replay came from: recorded by the engine, or "
                           "synthesized from the metrics' rate and length histograms (runtime vllm records none).")
@@ -847,9 +946,10 @@ class InferenceDeploymentStatus(CRDModel):
     conditions: list[Condition] | None = Field(
         None, max_length=16,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
-        description="Ready, Progressing, MetricsAvailable, Tuned, Degraded and RoundsLate (True while tuning "
+        description="Ready, Progressing, MetricsAvailable, Tuned, Degraded, RoundsLate (True while tuning "
                     "rounds start more than one autotune interval after they are due: the operator is not "
-                    "keeping up with its fleet).")
+                    "keeping up with its fleet) and PredictionsUnreliable (True while the tuner only "
+                    "recommends: its running prediction error stayed above its bound).")
 
 
 class ObjectMeta(CRDModel):

@@ -25,6 +25,11 @@ ROUNDS_WAITING = Gauge("kvtune_operator_tuning_rounds_waiting",
 ROUNDS_LATE = Gauge("kvtune_operator_tuning_rounds_late",
                     "Deployments whose last tuning round started more than one interval late.", registry=REGISTRY)
 
+#: per deployment: the tuner's running prediction error (status.tuning.predictionError)
+PREDICTION_ERROR = Gauge("kvtune_operator_prediction_error_ratio",
+                         "Running prediction error of a deployment's tuner: a moving average of the verdicts' "
+                         "|predicted - measured| / measured slo attainment.", ("namespace", "name"), registry=REGISTRY)
+
 
 def serve(port: int, address: str = "0.0.0.0") -> None:
     """Serve /metrics on ``port`` in a daemon thread (the operator's process lives as long)."""

@@ -188,13 +188,22 @@ def diagnosis_status(rnd: Round, window_s: float, now: float, replicas: int = 1)
 
 
 def _figures(f: Mapping[str, float] | None) -> Figures | None:
-    """The window figures a decision quotes (goodput, throughput, p95 queue time)."""
+    """The window figures a decision quotes, by the field's names: request and token goodput, slo
+    attainment, ttft, tpot and e2el p95 in ms (where the window has them), throughput, p95 queue
+    time; a prediction's utilization and goodput range too."""
     if not f:
         return None
     get = lambda k: round(float(f[k]), 3) if f.get(k) is not None else None  # noqa: E731
+    ms = lambda k: round(1000 * float(f[k]), 1) if f.get(k) is not None else None  # noqa: E731
+    low, high = get("goodput_low_requests_per_s"), get("goodput_high_requests_per_s")
     out = Figures(goodput_requests_per_second=get("goodput_requests_per_s"),
+                  goodput_tokens_per_second=get("goodput_tokens_per_s"),
+                  slo_attainment=get("goodput_share"),
+                  ttft_p95_ms=ms("ttft_p95_s"), tpot_p95_ms=ms("tpot_p95_s"), e2el_p95_ms=ms("e2el_p95_s"),
                   throughput_tokens_per_second=get("output_tokens_per_s"),
-                  queue_time_p95_seconds=get("queue_time_p95_s"))
+                  queue_time_p95_seconds=get("queue_time_p95_s"),
+                  utilization=get("utilization"),
+                  goodput_range_requests_per_second=[low, high] if low is not None and high is not None else None)
     return out if out.dump() else None
 
 
@@ -209,11 +218,14 @@ def _predicted(f: Mapping[str, float] | None) -> Figures | None:
 
 def _decision(now: float, action: str, message: str, *, cause: str | None = None, restart: bool = False,
               before: dict[str, Any] | None = None, after: dict[str, Any] | None = None,
-              predicted: Figures | None = None, measured: Figures | None = None) -> dict[str, Any]:
+              predicted: Figures | None = None, measured: Figures | None = None,
+              prediction_error_ratio: float | None = None) -> dict[str, Any]:
     """One entry of status.tuning.history (and lastChange), through the status model."""
     return TuningDecision(time=_stamp(now), action=action, cause=cause, message=message, restart=restart,
                           before=_camel(before) if before else None, after=_camel(after) if after else None,
-                          predicted=predicted, measured=measured).dump()
+                          predicted=predicted, measured=measured,
+                          prediction_error_ratio=round(prediction_error_ratio, 4)
+                          if prediction_error_ratio is not None else None).dump()
 
 
 def _replacing(old: Any, new: Any) -> Any:
@@ -361,24 +373,27 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         undo = {} if v.keep else knob_changes(current, rnd.config)
         record(_decision(now, action, v.reason, cause=rnd.diagnosis.cause, restart=bool(RESTART_KNOBS & undo.keys()),
                          before={k: getattr(current, k) for k in undo}, after=undo,
-                         predicted=_predicted(v.predicted), measured=_figures(v.measured)),
+                         predicted=_predicted(v.predicted), measured=_figures(v.measured),
+                         prediction_error_ratio=v.prediction_error_ratio),
                "Normal" if v.keep else "Warning")
         target, phase, message = rnd.config, ("Settled" if v.keep else "RolledBack"), v.reason
     d = rnd.decision
     if d is not None and d.action == "change":
-        apply = mode == AutotuneMode.APPLY
+        apply = mode == AutotuneMode.APPLY and not rnd.unreliable  # unreliable predictions: recommend only
         repeated = not apply and (tuning.get("lastChange") or {}).get("after") == _camel(d.changes)
         if not repeated:  # Recommend mode: one event per new recommendation, not one per tick
             said = d.explained(rnd.diagnosis.message, rnd.diagnosis.suggestion)
             record(_decision(now, "Apply" if apply else "Recommend", said,
                              cause=rnd.diagnosis.cause, restart=d.restart or spec.runtime == "vllm",
                              before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
-                             predicted=_predicted(window_figures(d.predicted) if d.predicted else None)), "Normal")
+                             predicted=_predicted({**window_figures(d.predicted), **(d.confidence or {})}
+                                                  if d.predicted else None)), "Normal")
         if apply:
             target, phase = d.config, "Verifying"
             message = f"applied {_camel(d.changes)}; verifying over the next window"
         else:
-            phase, message = "Recommended", f"recommends {_camel(d.changes)} (Recommend mode: not applied)"
+            phase, message = "Recommended", f"recommends {_camel(d.changes)} (" + (
+                f"not applied: {rnd.unreliable}" if rnd.unreliable else "Recommend mode: not applied") + ")"
     elif d is not None and rnd.verdict is None:
         message = d.reason
     scale = _scale_decision(spec, status, plan, rnd, autoscaler, now) if rnd.replicas is not None else None
@@ -393,6 +408,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:],
                   traceSource="synthesized" if gathered.trace_synthesized else "recorded", **state_status(state))
     out.status_update["tuning"] = _replacing(old_tuning, TuningStatus.checked(tuning))
+    out.conditions.append(c.predictions_condition(rnd.unreliable, state.prediction_error))
     settled = rnd.diagnosis.cause == "Healthy" or phase in ("Settled",)
     out.conditions.append(c.Cond("Tuned", "True" if settled else "False", phase, message or rnd.diagnosis.message))
     return out
@@ -509,6 +525,9 @@ class TuningLoop:
         infd = InferenceDeployment.from_body(raw)
         plan = resolve_autotune(infd.spec, self.settings)
         result = self._round(namespace, name, infd, plan, now)
+        error = (result.status_update.get("tuning") or {}).get("predictionError")
+        if error is not None:
+            operator_metrics.PREDICTION_ERROR.labels(namespace, name).set(error)
         result.conditions.append(c.rounds_late(admission.lag_s, plan.interval_s,
                                                queue.capacity if queue is not None else 1, now))
         # several replicas: recorded only if no other round wrote the tuner's state since this read

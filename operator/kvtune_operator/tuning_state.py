@@ -4,7 +4,8 @@ Invariant: the operator process holds no tuner state between ticks. Each tick re
 tuner's `TunerState` from a fresh read of the object (`state_from_status`) and writes the new one
 (`state_status`) in the same status patch as the decision that changed it: the pending change
 (with its window figures and prediction), the candidates rolled back and until when they are
-barred, the restart count and time. A restarted operator, or a replaced Deployment of it, reads
+barred, the restart count and time, the running prediction error and until when predictions are
+distrusted. A restarted operator, or a replaced Deployment of it, reads
 what its predecessor wrote and gives a pending change its verdict on its own window.
 """
 from __future__ import annotations
@@ -52,6 +53,10 @@ def state_from_status(tuning: TuningStatus | None) -> TunerState:
         st.bad_reasons[key] = (r.at.timestamp(), r.reason)
     st.restarts = tuning.restarts or 0
     st.last_restart_at = tuning.last_restart_time.timestamp() if tuning.last_restart_time else None
+    st.prediction_error = tuning.prediction_error
+    st.prediction_errors_high = tuning.prediction_errors_high or 0
+    st.unreliable_until = tuning.predictions_unreliable_until.timestamp() \
+        if tuning.predictions_unreliable_until else None
     return st
 
 
@@ -76,5 +81,9 @@ def state_status(st: TunerState) -> dict[str, Any]:
         "restarts": st.restarts or None,
         "lastRestartTime": _time(st.last_restart_at).strftime("%Y-%m-%dT%H:%M:%SZ")
         if st.last_restart_at is not None else None,
+        "predictionError": round(st.prediction_error, 4) if st.prediction_error is not None else None,
+        "predictionErrorsHigh": st.prediction_errors_high or None,
+        "predictionsUnreliableUntil": _time(st.unreliable_until).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if st.unreliable_until is not None else None,
     }
 

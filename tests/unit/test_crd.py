@@ -128,6 +128,6 @@ def test_status_has_no_defaults_and_bounded_history():
     cond = status["properties"]["conditions"]
     assert cond["x-kubernetes-list-type"] == "map" and cond["x-kubernetes-list-map-keys"] == ["type"]
     assert cond["items"]["properties"]["type"]["enum"] == [
-        "Ready", "Progressing", "MetricsAvailable", "Tuned", "Degraded", "RoundsLate"]
+        "Ready", "Progressing", "MetricsAvailable", "Tuned", "Degraded", "RoundsLate", "PredictionsUnreliable"]
     assert set(cond["items"]["required"]) >= {"type", "status", "reason", "lastTransitionTime"}
     assert status["properties"]["diagnosis"]["properties"]["figures"]["x-kubernetes-preserve-unknown-fields"]

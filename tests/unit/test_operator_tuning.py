@@ -138,3 +138,37 @@ def test_a_malformed_trial_names_the_annotation_and_the_knobs():
         parse_trial({TRY_ANNOTATION: '{"maxSeqs": 3}'})
     with pytest.raises(ValueError, match="JSON object"):
         parse_trial({TRY_ANNOTATION: "[1]"})
+
+
+def test_a_verdict_records_prediction_against_outcome_in_the_fields_vocabulary(seq_cap_window):
+    obj = infd("Apply")
+    plan = plan_of(obj)
+    first = tick(obj.spec, obj.status, plan, seq_cap_window, now=3_000_000.0, base_profile=PROFILE)
+    predicted = first.status_update["tuning"]["lastChange"]["predicted"]
+    # a prediction carries the utilization it implies and its range; figures by the field's names
+    assert predicted["utilization"] > 0 and len(predicted["goodputRangeRequestsPerSecond"]) == 2
+    assert 0 < predicted["sloAttainment"] <= 1 and predicted["ttftP95Ms"] > 0 and predicted["tpotP95Ms"] > 0
+    after = infd("Apply", {k: first.status_update[k] for k in ("engine", "baseline", "tuning")})
+    res = tick(after.spec, after.status, plan, window(effective_engine(after.spec, after.status,
+                                                                       AutotuneMode.APPLY).config),
+               now=3_000_200.0, base_profile=PROFILE)
+    t = res.status_update["tuning"]
+    keep = t["history"][-1]
+    assert keep["action"] == "Keep" and keep["predictionErrorRatio"] >= 0
+    assert keep["measured"]["sloAttainment"] > 0 and keep["measured"]["tpotP95Ms"] > 0
+    assert t["predictionError"] == pytest.approx(keep["predictionErrorRatio"], abs=1e-3)
+    cond = {c.type: c for c in res.conditions}["PredictionsUnreliable"]
+    assert cond.status == "False" and "running prediction error" in cond.message
+
+
+def test_unreliable_predictions_fall_back_to_recommend_with_a_condition(seq_cap_window):
+    obj = infd("Apply", status={"tuning": {"predictionError": 0.8, "predictionErrorsHigh": 3,
+                                           "predictionsUnreliableUntil": "2100-01-01T00:00:00Z"}})
+    res = tick(obj.spec, obj.status, plan_of(obj), seq_cap_window, now=1_000_000.0, base_profile=PROFILE)
+    assert res.applied == {} and "engine" not in res.status_update      # Apply mode, yet nothing written
+    t = res.status_update["tuning"]
+    assert t["phase"] == "Recommended" and t["lastChange"]["action"] == "Recommend"
+    assert "predictions are unreliable" in t["message"] and t["predictionError"] == 0.8
+    cond = {c.type: c for c in res.conditions}["PredictionsUnreliable"]
+    assert cond.status == "True" and cond.reason == "PredictionErrorHigh"
+    assert "80%" in cond.message and "30%" in cond.message and "3 verdicts" in cond.message

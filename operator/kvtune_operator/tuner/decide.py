@@ -147,6 +147,8 @@ class Decision:
     baseline: Mapping[str, Any] | None = None    # simulator summary of the current config
     considered: int = 0
     barred: int = 0                    # candidates skipped: remembered as bad or in cooldown
+    #: the chosen prediction's utilization and goodput range (confidence.Confidence.figures)
+    confidence: dict[str, float] | None = None
 
     @property
     def predicted_gain(self) -> float:
@@ -235,6 +237,11 @@ def choose(current: EngineConfig, baseline: Mapping[str, Any],
 
 #: in window figures, 1.0: their percentiles are estimates from histogram buckets, not exact
 FROM_BUCKETS = "quantiles_from_buckets"
+#: the latency percentiles window figures carry when the summary has them (seconds). TPOT is the
+#: time per output token after the first, (e2el - ttft) / (output tokens - 1), per request; ITL
+#: (inter-token latency) is the gap between two consecutive tokens of one request, whose mean over a
+#: request is its TPOT
+LATENCY_FIGURES = ("ttft_p95_s", "tpot_p95_s", "e2el_p95_s")
 
 
 def window_figures(summary: Mapping[str, Any], arrival_rate: float | None = None, *,
@@ -245,7 +252,11 @@ def window_figures(summary: Mapping[str, Any], arrival_rate: float | None = None
     good = _f(summary, "goodput_requests_per_s")
     rps = _f(summary, "requests_per_s")
     load = arrival_rate if arrival_rate and arrival_rate > 0 else rps
-    return {**({FROM_BUCKETS: 1.0} if quantiles == "histogram" else {}),
+    # the latencies by the field's names (vLLM's benchmarks: ttft, tpot, e2el), where the summary has them
+    latencies = {k: float(summary[k]) for k in LATENCY_FIGURES if summary.get(k) is not None}
+    if summary.get("goodput_tokens_per_s") is not None:
+        latencies["goodput_tokens_per_s"] = float(summary["goodput_tokens_per_s"])
+    return {**({FROM_BUCKETS: 1.0} if quantiles == "histogram" else {}), **latencies,
         "goodput_requests_per_s": good,
         "output_tokens_per_s": _f(summary, "output_tokens_per_s"),
         "requests_per_s": rps,
@@ -269,6 +280,21 @@ class Verdict:
     #: the measured and the predicted percentiles are the same statistic (False: the measured ones
     #: are histogram estimates, the predicted ones exact; the reason says so)
     like_with_like: bool = True
+    #: |predicted - measured| / measured goodput share (the load-normalised request goodput), capped
+    #: (``prediction_error_ratio``); None without a prediction
+    prediction_error_ratio: float | None = None
+
+
+def prediction_error_ratio(predicted: Mapping[str, float] | None, measured: Mapping[str, float],
+                           cap: float = 10.0) -> float | None:
+    """|predicted - measured| / measured goodput share, at most ``cap`` (a measured share of 0 with
+    any predicted reads as the cap); None when nothing was predicted (a kvtune.io/try candidate)."""
+    if not predicted or not predicted.get("goodput_requests_per_s"):
+        return None
+    p, m = float(predicted.get("goodput_share", 0.0) or 0.0), float(measured.get("goodput_share", 0.0) or 0.0)
+    if m <= 0:
+        return cap if p > 0 else 0.0
+    return min(cap, abs(p - m) / m)
 
 
 def _compare(ref: Mapping[str, float], measured: Mapping[str, float]) -> tuple[str, float]:
@@ -329,7 +355,8 @@ def judge(before: Mapping[str, float], measured: Mapping[str, float],
         reason += ("; measured p95s (and the share within the objectives) are estimates from the engine's "
                    "histogram buckets, predicted ones exact" if measured.get(FROM_BUCKETS) else
                    "; measured p95s are exact, predicted ones estimates from histogram buckets")
-    return Verdict(keep, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr, like)
+    return Verdict(keep, reason, dict(measured), dict(before), dict(predicted or {}) or None, change, perr, like,
+                   prediction_error_ratio(predicted, measured))
 
 
 @dataclass
@@ -355,6 +382,12 @@ class TunerState:
     history: list[dict[str, Any]] = field(default_factory=list)
     restarts: int = 0
     history_len: int = 10
+    #: running prediction error: EWMA of the verdicts' prediction_error_ratio (``track_prediction``)
+    prediction_error: float | None = None
+    #: verdicts in a row with the running error above its bound
+    prediction_errors_high: int = 0
+    #: until when the loop only recommends: predictions were found unreliable (None: they are trusted)
+    unreliable_until: float | None = None
 
     # ---- queries ----
     def restart_allowed(self, now: float, objectives: Objectives) -> bool:
@@ -365,6 +398,36 @@ class TunerState:
     def is_bad(self, cfg: EngineConfig, now: float) -> bool:
         until = self.bad.get(config_key(cfg))
         return until is not None and now < until
+
+    def predictions_unreliable(self, now: float) -> bool:
+        return self.unreliable_until is not None and now < self.unreliable_until
+
+    def unreliable_message(self, th: Any) -> str:
+        """Why the loop only recommends, with the figures (``th``: the tuner's Thresholds)."""
+        return (f"predictions are unreliable: the running prediction error (EWMA of |predicted - measured| / "
+                f"measured goodput share) is {self.prediction_error or 0.0:.0%}, above {th.prediction_error_bound:.0%} "
+                f"for {self.prediction_errors_high} verdicts in a row (at most {th.prediction_error_verdicts}); "
+                "the tuner recommends and applies nothing until "
+                + (f"{self.unreliable_until:.0f} s" if self.unreliable_until is not None else "further notice"))
+
+    def track_prediction(self, ratio: float | None, now: float, th: Any, hold_s: float) -> None:
+        """One verdict's prediction error into the running error; after ``th.prediction_error_verdicts``
+        verdicts in a row above ``th.prediction_error_bound`` the loop only recommends for ``hold_s``
+        (then changes are applied again, and the streak starts again from 0)."""
+        if self.unreliable_until is not None and now >= self.unreliable_until:
+            self.unreliable_until = None
+            self.prediction_errors_high = 0
+        if ratio is None:
+            return
+        ratio = min(th.prediction_error_cap, ratio)
+        w = th.prediction_error_weight
+        self.prediction_error = ratio if self.prediction_error is None else w * ratio + (1 - w) * self.prediction_error
+        if self.prediction_error > th.prediction_error_bound:
+            self.prediction_errors_high += 1
+        else:
+            self.prediction_errors_high = 0
+        if self.prediction_errors_high >= th.prediction_error_verdicts:
+            self.unreliable_until = now + hold_s
 
     def forget_expired(self, now: float) -> None:
         self.bad = {k: t for k, t in self.bad.items() if t > now}
@@ -381,7 +444,8 @@ class TunerState:
             before=decision.current.model_dump(), after=decision.config.model_dump(),
             changes=dict(decision.changes), restart=decision.restart, applied_at=now,
             before_figures=dict(before),
-            predicted_figures=window_figures(decision.predicted or {}, before.get("offered_requests_per_s")),
+            predicted_figures={**window_figures(decision.predicted or {}, before.get("offered_requests_per_s")),
+                               **(decision.confidence or {})},
             source=source)
         self.phase = "Verifying"
         if decision.restart:
@@ -404,7 +468,8 @@ class TunerState:
         nxt = EngineConfig.model_validate(p.after) if v.keep else self._roll_back(now, v.reason, objectives)
         self._log({"at": now, "event": "kept" if v.keep else "rolled_back", "changes": dict(p.changes),
                    "restart": p.restart, "reason": v.reason, "predicted": p.predicted_figures,
-                   "measured": dict(measured), "before": p.before_figures})
+                   "measured": dict(measured), "before": p.before_figures,
+                   "prediction_error_ratio": v.prediction_error_ratio})
         self.pending = None
         self.phase = "Idle"
         return v, nxt

@@ -23,6 +23,7 @@ from kvtune_engine.sim.trace import TraceRequest
 
 from .backlog import in_engine
 from .candidates import Bounds, CandidateSet, Safety, combine, propose, restart_lookahead
+from .confidence import assess, speed_spread, trust
 from .decide import (Decision, Objectives, Score, TunerState, Verdict, choose, config_key, knob_changes,
                      window_figures)
 from .diagnose import Diagnosis, Thresholds, diagnose
@@ -67,6 +68,9 @@ class Round:
     note: str = ""
     #: compute-bound: the replicas one engine's share of the load needs (None: not predicted)
     replicas: ReplicaPrediction | None = None
+    #: why this round only recommends although it may apply: predictions found unreliable
+    #: (TunerState.unreliable_message); "" when they are trusted
+    unreliable: str = ""
 
     @property
     def changed(self) -> bool:
@@ -78,7 +82,7 @@ def measured_figures(obs: Observation) -> dict[str, float]:
     s = obs.summary or {
         "goodput_requests_per_s": obs.goodput_requests_per_s, "output_tokens_per_s": obs.output_tokens_per_s,
         "requests_per_s": obs.requests_per_s, "queue_time_p95_s": obs.queue_time_p95_s,
-        "queue_time_p99_s": obs.queue_time_p99_s,
+        "queue_time_p99_s": obs.queue_time_p99_s, "ttft_p95_s": obs.ttft_p95_s, "tpot_p95_s": obs.tpot_p95_s,
         "preemptions": {"swap": obs.preemptions_swap, "recompute": obs.preemptions_recompute},
         "duration_s": obs.window_s,
     }
@@ -123,6 +127,7 @@ class Tuner:
                     if lead and window_start is not None else Predictor(profile, s.slo, vllm=s.vllm).predict(tr, before)
                 counterfactual = window_figures(old) if old is not None else None
             verdict, nxt = st.verify(measured_figures(obs), now, s.objectives, counterfactual)
+            st.track_prediction(verdict.prediction_error_ratio, now, s.thresholds, s.objectives.bad_memory_s)
             if not verdict.keep:
                 diag = diagnose(obs, s.thresholds, s.safety, s.bounds, s.slo)
                 return Round(now, obs, diag, nxt, verdict=verdict, fit=fit, note="rolled back; no new decision "
@@ -162,7 +167,11 @@ class Tuner:
             if extra:
                 preds += extra
                 decision = choose(cfg, baseline, preds, s.objectives, state=st, now=now)
+        if decision.action == "change" and decision.predicted is not None:
+            decision = self._trusted(decision, baseline, pred, tr, fit)
         out = Round(now, obs, diag, cfg, verdict=verdict, decision=decision, fit=fit, predictions=pred.runs)
+        if apply and st.predictions_unreliable(now):
+            apply, out.unreliable = False, st.unreliable_message(s.thresholds)
         if diag.cause == "ComputeBound" and decision.action != "change":
             # no knob helps one saturated engine: how many engines would meet the objectives
             out.replicas = predict_replicas(tr, cfg, profile, s.slo, target_share=s.healthy_goodput_share,
@@ -171,6 +180,24 @@ class Tuner:
             st.begin(decision, measured_figures(obs), now)
             out.config = decision.config
         return out
+
+    def _trusted(self, decision: Decision, baseline: Mapping[str, Any], pred: Predictor,
+                 tr: Sequence[TraceRequest], fit: StepCostFit | None) -> Decision:
+        """The decision with its prediction's utilization and range (confidence.py); near saturation a
+        candidate that does not win across the range is declined, and the reason says so."""
+        s = self.settings
+        spread = speed_spread(fit, s.thresholds)
+        cand = assess(pred, tr, decision.config, decision.predicted or {}, spread)
+        cur = assess(pred, tr, decision.current, baseline, spread)
+        figures = {**cand.figures(), **{f"current_{k}": v for k, v in cur.figures().items()}}
+        why = trust(cand, cur, s.thresholds, s.objectives.min_gain)
+        if why is None:
+            decision.confidence = figures
+            decision.reason += (f"; predicted utilization {cand.utilization:.2f}" if cand.utilization is not None
+                                else "") + f", goodput range {cand.goodput_low:.3g}..{cand.goodput_high:.3g} req/s"
+            return decision
+        return Decision("none", why, decision.current, decision.current, baseline=baseline, predicted=baseline,
+                        considered=decision.considered, barred=decision.barred, confidence=figures)
 
     def _restart_lookahead(self, cfg: EngineConfig, decision: Decision, preds: list, pred: Predictor,
                            tr: Sequence[TraceRequest]) -> list:

@@ -181,6 +181,40 @@ class Predictor:
         p = Predictor.for_window(self.profile, self.slo, lead, window_start, vllm=self.vllm)
         return p.predict(as_trace(window, rebase=False), cfg)
 
+    def capacity(self, trace: Sequence[TraceRequest], cfg: EngineConfig) -> tuple[float, float] | None:
+        """(work, rate): the tokens the engine computes for the backlog and the trace under ``cfg``, and
+        the tokens per second it computes them at with a full queue. Both from one replay with every
+        request arriving at once, its steps recorded: the rate over the first half of its time (the
+        queue is still full there; the tail, with fewer sequences left than the engine runs, would
+        read as less capacity than the engine has). Work counts what the steps batched, so prefix
+        hits and recomputes are counted as this config computes them. None when the config does not
+        fit the device or there is nothing to replay."""
+        reqs = [replace(r, arrival_s=0.0) for r in (*self.backlog, *trace)]
+        if not reqs:
+            return None
+        try:
+            self.profile.kv_cache_size(cfg)
+        except ConfigError:
+            return None
+        self.runs += 1
+        rec = RecordingProfile.of(self.profile)
+        self.with_profile(rec)._simulate(reqs, cfg)
+        steps = rec.take_steps()
+        total = sum(st.duration_s for st in steps)
+        if total <= 0:
+            return None
+        t = tok = 0.0
+        for st in steps:
+            if t >= total / 2:
+                break
+            t += st.duration_s
+            tok += st.batched_tokens
+        return float(sum(st.batched_tokens for st in steps)), tok / t
+
+    def with_profile(self, profile: Profile) -> "Predictor":
+        """The same question (backlog, window, lead, policy) on another profile, with its own cache."""
+        return Predictor(profile, self.slo, self.lead, self.window_start, self.backlog, self.vllm)
+
     def predict_many(self, trace: Sequence[TraceRequest], cfgs: Iterable[EngineConfig]
                      ) -> list[tuple[EngineConfig, Mapping[str, Any]]]:
         out = []
@@ -229,6 +263,8 @@ def window_summary(full: Mapping[str, Any], start: float, slo: SLO,
             "tpot": sorted(t for t in map(tpot, done) if t is not None)}
     out.update({f"{name}_p{round(q * 100)}_s": percentile(v, q) for name, v in figs.items() for q in (0.5, 0.95, 0.99)})
     out.update(goodput_requests_per_s=sum(slo.met(r["ttft_s"], tpot(r)) for r in done) / dur,
+               goodput_tokens_per_s=sum(r["output_tokens"] for r in done if slo.met(r["ttft_s"], tpot(r))) / dur,
+               e2el_p95_s=percentile(sorted(r["e2e_s"] for r in done), 0.95),
                output_tokens_per_s=sum(r["output_tokens"] for r in finished) / dur,
                requests_per_s=len(done) / dur, duration_s=dur, requests_finished=len(done),
                preemptions={k: round(v * share) for k, v in (full.get("preemptions") or {}).items()})

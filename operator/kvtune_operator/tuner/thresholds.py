@@ -105,3 +105,21 @@ class Thresholds:
     swap_step_gib: float = 0.5
     #: factors tried for a numeric knob without a mover of its own (besides its range's ends)
     other_steps: tuple[float, ...] = (0.5, 2)   # 2, not 2.0: an int knob's double stays an int
+
+    # -- trusting a prediction (confidence.py) ---------------------------------------------------------
+    #: a predicted utilization (offered requests / the config's capacity) at or above this is near
+    #: saturation: there a few percent of speed the cost model overestimates turns into TTFT predicted
+    #: orders of magnitude too low, so the candidate must win across the whole range, not at its point
+    saturated_utilization: float = 0.90
+    #: the relative speed error a prediction's range assumes at least (the step fit's residual
+    #: spread, rel_rmse, when larger) and at most
+    speed_spread_min: float = 0.05
+    speed_spread_max: float = 0.50
+    #: the running prediction error (EWMA of |predicted - measured| / measured goodput share, weight
+    #: prediction_error_weight on the newest verdict) above which predictions are unreliable, once it
+    #: has stayed there for prediction_error_verdicts verdicts in a row: the loop then only recommends
+    prediction_error_bound: float = 0.30
+    prediction_error_verdicts: int = 3
+    prediction_error_weight: float = 0.5
+    #: a single verdict's error ratio is capped here (a measured goodput of 0 would read as infinite)
+    prediction_error_cap: float = 10.0

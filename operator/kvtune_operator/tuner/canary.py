@@ -1,0 +1,145 @@
+"""The canary verdict: one engine runs the change, its siblings do not, and the same window judges both.
+
+A before/after verdict compares the window after a change with the one before it; when the traffic
+moves between windows (bursts, a diurnal swing) a good change can read as bad and a bad one as good.
+With two or more replicas behind one balancer the canary and its controls share every minute of the
+window and the arrivals' mix, so the load cancels out of the comparison: the verdict is canary vs
+controls, per pod, over the same window.
+
+Gates are data (``Gates``, from ``spec.autotune.canary.gates``): the canary's slo attainment over the
+controls' at least ``goodput_ratio_min`` (default ``1 - Objectives.regression_threshold``: today's
+before/after rule, a fall of more than 10% is a regression), and, when set, its p99 ttft at most
+``ttft_p99_ratio_max`` times the controls' and its error rate at most ``error_rate_max``. As in the
+before/after rule, when neither side has any goodput (deep overload) output throughput per request
+offered stands in for attainment.
+
+Invariant: ``judge_canary`` is pure (figures in, verdict out) and promotes only when every gate
+passes; one replica has no control, so it keeps the before/after verdict (``canary_applies``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+#: the before/after rule's regression threshold (decide.Objectives.regression_threshold), as a ratio
+DEFAULT_GOODPUT_RATIO_MIN = 0.90
+#: under this slo attainment on both sides goodput says nothing: throughput decides (as decide._compare)
+NO_GOODPUT = 0.01
+
+
+def canary_applies(replicas: int) -> bool:
+    """Whether a change is judged as a canary: only with a control, i.e. two or more replicas."""
+    return replicas >= 2
+
+
+@dataclass(frozen=True)
+class Gates:
+    goodput_ratio_min: float = DEFAULT_GOODPUT_RATIO_MIN
+    ttft_p99_ratio_max: float | None = None
+    error_rate_max: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.goodput_ratio_min < 0:
+            raise ValueError(f"goodputRatioMin must be >= 0, got {self.goodput_ratio_min}")
+        if self.ttft_p99_ratio_max is not None and self.ttft_p99_ratio_max <= 0:
+            raise ValueError(f"ttftP99RatioMax must be > 0, got {self.ttft_p99_ratio_max}")
+        if self.error_rate_max is not None and not 0 <= self.error_rate_max <= 1:
+            raise ValueError(f"errorRateMax must be within 0..1, got {self.error_rate_max}")
+
+
+@dataclass(frozen=True)
+class PodFigures:
+    """One engine pod over the window (per-pod series from Prometheus, or a simulator replay)."""
+    pod: str
+    requests: float                 # requests finished (or offered) in the window
+    good: float                     # of them, meeting the objectives (ttft and tpot)
+    output_tokens: float = 0.0
+    errors: float = 0.0             # failed requests (aborted, rejected)
+    ttft_p99_s: float | None = None
+
+    @property
+    def slo_attainment(self) -> float:
+        return self.good / self.requests if self.requests > 0 else 0.0
+
+    @property
+    def tokens_per_request(self) -> float:
+        return self.output_tokens / self.requests if self.requests > 0 else 0.0
+
+    @property
+    def error_rate(self) -> float:
+        n = self.requests + self.errors
+        return self.errors / n if n > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GateResult:
+    name: str                       # goodputRatioMin | ttftP99RatioMax | errorRateMax (the spec's names)
+    canary: float
+    control: float | None           # None: a gate on the canary alone (errorRateMax)
+    value: float                    # the figure the limit applies to (a ratio, or the canary's rate)
+    limit: float
+    passed: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class CanaryJudgement:
+    promote: bool
+    canary: str
+    controls: tuple[str, ...]
+    gates: tuple[GateResult, ...]
+    reason: str
+    window_s: float | None = None
+
+    @property
+    def verdict(self) -> str:
+        return "Promote" if self.promote else "Revert"
+
+
+def pooled(controls: Sequence[PodFigures]) -> PodFigures:
+    """The controls as one: counts summed; p99 ttft as the request-weighted mean of theirs (a
+    percentile does not add up; each control saw the same mix of arrivals)."""
+    if not controls:
+        raise ValueError("a canary needs at least one control pod")
+    req = sum(c.requests for c in controls)
+    p99s = [(c.ttft_p99_s, c.requests) for c in controls if c.ttft_p99_s is not None]
+    w = sum(n for _, n in p99s)
+    p99 = sum(v * n for v, n in p99s) / w if w > 0 else (p99s[0][0] if p99s else None)
+    return PodFigures("+".join(c.pod for c in controls), req, sum(c.good for c in controls),
+                      sum(c.output_tokens for c in controls), sum(c.errors for c in controls), p99)
+
+
+def judge_canary(canary: PodFigures, controls: Sequence[PodFigures], gates: Gates = Gates(),
+                 window_s: float | None = None) -> CanaryJudgement:
+    """Promote or revert the change the ``canary`` runs, against ``controls`` over the same window."""
+    ctl = pooled(controls)
+    results: list[GateResult] = []
+    if canary.slo_attainment < NO_GOODPUT and ctl.slo_attainment < NO_GOODPUT:
+        c, k, note = canary.tokens_per_request, ctl.tokens_per_request, "output tokens per request: no goodput on either side"
+    else:
+        c, k, note = canary.slo_attainment, ctl.slo_attainment, "slo attainment"
+    ratio = c / k if k > 0 else (1.0 if c <= 0 else float("inf"))
+    results.append(GateResult("goodputRatioMin", c, k, ratio, gates.goodput_ratio_min,
+                              ratio >= gates.goodput_ratio_min, note))
+    if gates.ttft_p99_ratio_max is not None:
+        if canary.ttft_p99_s is None or ctl.ttft_p99_s is None:
+            results.append(GateResult("ttftP99RatioMax", canary.ttft_p99_s or 0.0, ctl.ttft_p99_s, 0.0,
+                                      gates.ttft_p99_ratio_max, False, "no p99 ttft measured: the gate cannot pass"))
+        else:
+            r = canary.ttft_p99_s / ctl.ttft_p99_s if ctl.ttft_p99_s > 0 else (1.0 if canary.ttft_p99_s <= 0 else float("inf"))
+            results.append(GateResult("ttftP99RatioMax", canary.ttft_p99_s, ctl.ttft_p99_s, r,
+                                      gates.ttft_p99_ratio_max, r <= gates.ttft_p99_ratio_max, "p99 ttft (s)"))
+    if gates.error_rate_max is not None:
+        results.append(GateResult("errorRateMax", canary.error_rate, ctl.error_rate, canary.error_rate,
+                                  gates.error_rate_max, canary.error_rate <= gates.error_rate_max, "error rate"))
+    promote = all(g.passed for g in results)
+    said = "; ".join(f"{g.name} {'passed' if g.passed else 'FAILED'}: {g.note} {_fmt(g.canary)} vs "
+                     f"{_fmt(g.control) if g.control is not None else '-'} "
+                     f"({_fmt(g.value)} {'>=' if g.name == 'goodputRatioMin' else '<='} {g.limit:g})" for g in results)
+    reason = (f"canary {canary.pod} vs {len(controls)} control(s) over the same window: "
+              f"{'promoted' if promote else 'reverted'}; {said}")
+    return CanaryJudgement(promote, canary.pod, tuple(c.pod for c in controls), tuple(results), reason, window_s)
+
+
+def _fmt(v: float) -> str:
+    return "inf" if v == float("inf") else f"{v:.3g}"

@@ -1,0 +1,88 @@
+"""The canary verdict (issue 24): one pod runs the change, its siblings are the controls over the same
+window; gates are data (spec.autotune.canary.gates) whose defaults match today's before/after rule."""
+from __future__ import annotations
+
+import pytest
+
+from kvtune_operator.model import AutotuneSpec, CanaryStatus
+from kvtune_operator.tuner.canary import Gates, PodFigures, canary_applies, judge_canary
+from kvtune_operator.tuner.decide import judge
+
+
+def pod(name: str, attainment: float, n: float = 200.0, ttft_p99: float | None = 1.0, errors: float = 0.0,
+        tokens_per_request: float = 100.0) -> PodFigures:
+    return PodFigures(name, n, attainment * n, tokens_per_request * n, errors, ttft_p99)
+
+
+CONTROLS = [pod("chat-1", 0.8), pod("chat-2", 0.8, n=220)]
+
+
+@pytest.mark.parametrize("ratio", [0.5, 0.85, 0.89, 0.91, 0.95, 1.0, 1.1, 1.25])
+def test_the_default_gates_are_todays_before_after_rule(ratio):
+    """The same figures judged before/after (decide.judge, its 10% regression threshold) and as a
+    canary with the default gates give the same verdict."""
+    c = judge_canary(pod("chat-0", 0.8 * ratio), CONTROLS)
+    kept = judge({"goodput_share": 0.8}, {"goodput_share": 0.8 * ratio}, None, 0.10).keep
+    assert c.promote == kept
+    assert [g.name for g in c.gates] == ["goodputRatioMin"] and c.gates[0].value == pytest.approx(ratio)
+
+
+def test_a_ttft_gate_reverts_a_canary_whose_goodput_is_as_good():
+    gates = Gates(goodput_ratio_min=1.0, ttft_p99_ratio_max=1.25)
+    ok = judge_canary(pod("chat-0", 0.8, ttft_p99=1.2), CONTROLS, gates)
+    assert ok.promote and ok.verdict == "Promote"
+    slow = judge_canary(pod("chat-0", 0.8, ttft_p99=1.3), CONTROLS, gates, window_s=120)
+    assert not slow.promote and slow.verdict == "Revert"
+    g = {x.name: x for x in slow.gates}
+    assert g["goodputRatioMin"].passed and not g["ttftP99RatioMax"].passed
+    assert g["ttftP99RatioMax"].value == pytest.approx(1.3) and g["ttftP99RatioMax"].limit == 1.25
+    assert "reverted" in slow.reason and "ttftP99RatioMax FAILED" in slow.reason
+    # no p99 measured on the canary: a gate asked for cannot pass
+    assert not judge_canary(pod("chat-0", 0.8, ttft_p99=None), CONTROLS, gates).promote
+
+
+def test_an_error_gate_judges_the_canary_alone():
+    gates = Gates(error_rate_max=0.01)
+    assert judge_canary(pod("chat-0", 0.8, errors=1), CONTROLS, gates).promote          # 1 of 201
+    bad = judge_canary(pod("chat-0", 0.8, errors=10), CONTROLS, gates)
+    assert not bad.promote and {g.name: g.passed for g in bad.gates} == {"goodputRatioMin": True,
+                                                                        "errorRateMax": False}
+
+
+def test_with_no_goodput_on_either_side_throughput_decides():
+    ctl = [pod("chat-1", 0.0, tokens_per_request=100.0)]
+    assert judge_canary(pod("chat-0", 0.0, tokens_per_request=95.0), ctl).promote
+    worse = judge_canary(pod("chat-0", 0.0, tokens_per_request=80.0), ctl)
+    assert not worse.promote and "output tokens per request" in worse.gates[0].note
+
+
+def test_one_replica_keeps_the_before_after_verdict():
+    assert not canary_applies(1) and not canary_applies(0)
+    assert canary_applies(2) and canary_applies(3)
+
+
+def test_bad_gates_and_no_controls_say_what_is_allowed():
+    with pytest.raises(ValueError, match="goodputRatioMin must be >= 0"):
+        Gates(goodput_ratio_min=-0.1)
+    with pytest.raises(ValueError, match="errorRateMax must be within 0..1"):
+        Gates(error_rate_max=2.0)
+    with pytest.raises(ValueError, match="at least one control"):
+        judge_canary(pod("chat-0", 0.8), [])
+
+
+def test_gates_in_the_spec_and_the_verdict_in_status():
+    spec = AutotuneSpec.model_validate({"canary": {"gates": {"goodputRatioMin": 1.0, "ttftP99RatioMax": 1.25}}})
+    gates = spec.canary.gates.gates()
+    assert gates == Gates(goodput_ratio_min=1.0, ttft_p99_ratio_max=1.25, error_rate_max=None)
+    assert AutotuneSpec.model_validate({"canary": {"gates": {}}}).canary.gates.gates() == Gates()
+    with pytest.raises(ValueError):
+        AutotuneSpec.model_validate({"canary": {"gates": {"errorRateMax": 1.5}}})
+    j = judge_canary(pod("chat-0", 0.8, ttft_p99=1.3), CONTROLS, gates, window_s=120)
+    st = CanaryStatus.of(j).dump()
+    assert st["verdict"] == "Revert" and st["canary"] == "chat-0" and st["controls"] == ["chat-1", "chat-2"]
+    assert st["window"] == "120s" and [g["name"] for g in st["gates"]] == ["goodputRatioMin", "ttftP99RatioMax"]
+    assert st["gates"][1] == {"name": "ttftP99RatioMax", "canary": 1.3, "control": pytest.approx(1.0),
+                              "value": pytest.approx(1.3), "limit": 1.25, "passed": False, "note": "p99 ttft (s)"}
+    # a zero control writes no infinity into JSON
+    z = judge_canary(pod("chat-0", 0.5), [pod("chat-1", 0.0)])
+    assert z.promote and CanaryStatus.of(z).dump()["gates"][0]["value"] == 1e9
