@@ -52,7 +52,7 @@ def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limi
                                                max(1, samples, int(window_s)) if window_s > 0 else 0)
             figs = MetricFigures.over_scrapes(scrapes)
             win = measured if window_s > 0 else _vllm_uptime(first)
-            return read_vllm(figs, samples_of_scrapes(scrapes[1:] or scrapes), window_s=win,
+            return read_vllm(figs, samples_of_scrapes(scrapes)[1:] or samples_of_scrapes(scrapes), window_s=win,
                              assume=assume or VllmAssumptions(), slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
         state0 = engine.state()
         scrapes, measured = _scrape_window(scrape, first, started, window_s, max(1, samples) if window_s > 0 else 0)
@@ -110,11 +110,13 @@ def observation_dict(obs: Any) -> dict[str, Any]:
               help="The engine's admin key (default: $KVTUNE_ADMIN_KEY; in a cluster, the Secret <name>-admin-key). "
                    "Not needed on loopback when the engine has none.")
 @click.option("--assume-max-num-seqs", type=click.IntRange(min=1), default=None,
-              help="vLLM only: the server's --max-num-seqs (vLLM does not export it; default: its default).")
+              help="vLLM only: the server's --max-num-seqs (vLLM does not export it; default: inferred from "
+                   "the window's running plateau while requests wait, or not enough evidence).")
 @click.option("--assume-max-num-batched-tokens", type=click.IntRange(min=1), default=None,
-              help="vLLM only: the server's --max-num-batched-tokens.")
+              help="vLLM only: the server's --max-num-batched-tokens (default: inferred from the steps' tokens "
+                   "when a prompt was chunked).")
 @click.option("--assume-max-model-len", type=click.IntRange(min=2), default=None,
-              help="vLLM only: the server's --max-model-len.")
+              help="vLLM only: the server's --max-model-len (default: from cache_config_info).")
 @click.option("--assume-device-memory", "assume_device_gib", type=click.FloatRange(min=0, min_open=True),
               default=None, help="vLLM only: device memory, GiB (lets the diagnosis size gpu-memory-utilization).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -122,9 +124,10 @@ def diagnose_cmd(url: str, window_s: float, slo_ttft: float | None, slo_tpot: fl
                  assume_max_num_seqs: int | None, assume_max_num_batched_tokens: int | None,
                  assume_max_model_len: int | None, assume_device_gib: float | None, as_json: bool) -> None:
     """Why do requests wait on a live engine? Reads its /metrics and /kvtune/v1/state; on vLLM, its
-    /metrics alone, with what vLLM does not export taken from the --assume-* flags (and said so)."""
+    /metrics alone, with what vLLM does not export taken from the --assume-* flags or inferred from the
+    window (and said so, with the evidence); too little evidence is said, not guessed."""
     from .tuner.diagnose import diagnose
-    from .tuner.vllm_observation import VllmAssumptions, VllmReading, assumed_text
+    from .tuner.vllm_observation import VllmAssumptions, VllmReading, assumed_text, diagnose_reading
 
     if window_s < 0:
         _fail("--window must be >= 0 seconds")
@@ -135,12 +138,14 @@ def diagnose_cmd(url: str, window_s: float, slo_ttft: float | None, slo_tpot: fl
                        assume=assume)
     reading = read if isinstance(read, VllmReading) else None
     obs = reading.observation if reading else read
-    d = diagnose(obs)
+    d = diagnose_reading(reading) if reading else diagnose(obs)
     if as_json:
         out = {"url": url, "engine": "vllm" if reading else "kvtune", "diagnosis": d.to_dict(),
                "observation": observation_dict(obs)}
         if reading:
             out["assumed"] = dict(reading.assumed)
+            out["unknown"] = dict(reading.unknown)
+            out["unexplained_share"] = round(reading.unexplained_share, 4)
             out["lengths_from"] = "synthesized from vLLM's length histograms"
         click.echo(json.dumps(out, default=_json_default))
         return
@@ -150,11 +155,13 @@ def diagnose_cmd(url: str, window_s: float, slo_ttft: float | None, slo_tpot: fl
     click.echo(f"  KV usage {100 * obs.kv_usage_mean:.0f}% of {obs.num_blocks} blocks, "
                f"running {obs.running_mean:.0f} / max {obs.config.max_num_seqs}, waiting {obs.waiting_mean:.0f}")
     if reading:
+        if reading.unexplained_share > 0:
+            share += f"; unexplained {100 * reading.unexplained_share:.0f}%"
         click.echo(f"  queue head blocked by (share of samples, from vLLM's gauges): {share}")
         click.echo(f"  preemptions (recompute): {obs.preemptions_recompute}; p50/p99 queue time "
                    f"{obs.queue_time_p50_s:.2f}/{obs.queue_time_p99_s:.2f}s; prefix hit rate "
                    + ("n/a" if obs.prefix_cache_hit_rate is None else f"{100 * obs.prefix_cache_hit_rate:.0f}%"))
-        click.echo(f"  vLLM does not export these; assumed: {assumed_text(reading.assumed)}")
+        click.echo(f"  vLLM does not export these; inferred or assumed: {assumed_text(reading.assumed)}")
         return
     click.echo(f"  queue head blocked by: {share}")
     click.echo(f"  preemptions: swap {obs.preemptions_swap}, recompute {obs.preemptions_recompute}, "

@@ -42,7 +42,10 @@ def test_capacity_waits_are_put_down_to_the_limit_the_gauges_show():
     assert classify(GaugeSample(running=4, waiting=3, kv_usage=0.1), 4) == "max_num_seqs"
     assert classify(GaugeSample(running=2, waiting=3, kv_usage=0.95), 4) == "kv_blocks"
     assert classify(GaugeSample(running=2, waiting=3, kv_usage=0.5, preempted=1), 4) == "kv_blocks"
-    assert classify(GaugeSample(running=2, waiting=3, kv_usage=0.5), 4) == "token_budget"
+    assert classify(GaugeSample(running=2, waiting=3, kv_usage=0.5), 4, 512) == "token_budget"
+    # a budget (or a cap) whose value is unknown explains no wait
+    assert classify(GaugeSample(running=2, waiting=3, kv_usage=0.5), 4) == "unexplained"
+    assert classify(GaugeSample(running=2, waiting=3, kv_usage=0.5), None, 512) == "unexplained"
 
 
 def test_synthesized_trace_follows_the_histograms():

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import pytest
 
-from tests.vllm.load import ClosedLoop
+from tests.vllm.load import ClosedLoop, replay
 from tests.vllm.server import VllmServer, vllm_bin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -85,6 +85,46 @@ def test_sequence_cap_on_real_vllm(model_dir, tmp_path):
     assert "max_num_batched_tokens" in got["assumed"]  # not given: vLLM's default, and it says so
     assert text.startswith("SequenceCap: Requests wait on the sequence cap"), text  # one scrape, mid-load
     assert "assumed: max_num_seqs = 2" in text
+
+
+def decode_rate(url: str, model: str, tokens: int = 64) -> float:
+    """Output tokens per second of one request alone on the server: sizes the long requests below."""
+    began = time.monotonic()
+    got = replay(url, model, [{"prompt_tokens": 48, "output_tokens": tokens, "arrival_s": 0.0}])
+    return got[0]["completion_tokens"] / (time.monotonic() - began)
+
+
+def test_sequence_cap_inferred_on_real_vllm(model_dir, tmp_path):
+    """The issue's case: max_num_seqs 2 and 16 concurrent long requests, diagnosed with no --assume
+    flag. vLLM exports no cap; the running plateau while 14 wait is it, and the diagnosis says so with
+    its evidence (vLLM's default cap of 256 named TokenBudget here, against steps of a few tokens).
+    Each request lasts at least ~4 s at the rate measured first, and the 16 clients send back to back
+    until the diagnoses are done, so the queue lasts the whole window however slow the machine is.
+    One scrape (--window 0) is too little evidence: the text says so and names the flag.
+    Time (~2 min): vLLM's start-up on two cores and the window."""
+    with VllmServer(model_dir, tmp_path, kv_cache_gib=1, args=["--max-num-seqs", "2", "--max-model-len", "1024"]) as srv:
+        rate = decode_rate(srv.url, str(model_dir))
+        out_tokens = int(min(900, max(160, 4 * rate)))
+        with ClosedLoop(srv.url, str(model_dir), clients=16, prompt_tokens=48, output_tokens=out_tokens) as load:
+            wait_for_queue(srv)
+            one_scrape = diagnose_text_started(srv.url)
+            window_text = subprocess.Popen([KVTUNE, "diagnose", "--url", srv.url, "--window", "8"],
+                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            got = diagnose(srv.url)
+            text, thin = text_of(window_text), text_of(one_scrape)
+            done = load.stop()
+    assert done and all(r["completion_tokens"] == out_tokens for r in done)
+    d = got["diagnosis"]
+    assert d["cause"] == "SequenceCap", (d, got["assumed"], got["unknown"])
+    assert d["figures"]["max_num_seqs"] == 2 and d["suggestion"]["max_num_seqs"] > 2
+    assert got["observation"]["config"]["max-num-seqs"] == 2
+    assert got["assumed"]["max_num_seqs"].startswith("2 (inferred: running stayed at 2 over "), got["assumed"]
+    assert "max_num_seqs" not in got["unknown"]
+    assert got["assumed"]["max_model_len"].startswith("1024 (inferred: cache_config_info")
+    assert text.startswith("SequenceCap: Requests wait on the sequence cap"), text
+    assert "max_num_seqs = 2 (inferred: running stayed at 2 over" in text, text
+    assert thin.startswith("NotEnoughEvidence: Not enough evidence"), thin
+    assert "--assume-max-num-seqs" in thin and "TokenBudget" not in thin
 
 
 def test_too_little_kv_memory_on_real_vllm(model_dir, tmp_path):

@@ -9,8 +9,13 @@ vLLM tells less than our engine, and this module is where the gap is bridged, ea
   (vLLM V1 stops admitting when the step's tokens are spent). Shares are of samples, not of steps;
 * the config: ``cache_config_info`` gives block size, blocks, memory utilization, prefix caching;
   ``max_num_seqs``, ``max_num_batched_tokens`` and ``max_model_len`` are not exported, so they come
-  from what the caller knows (flags, the pod's command line) or vLLM's defaults, and every such
-  value is listed in ``assumed``;
+  from what the caller knows (flags, the pod's command line) or are inferred from the window
+  (`vllm_inference`, each with its evidence); every such value is listed in ``assumed``. A value
+  neither given nor inferred is vLLM's default in the config only: no wait is put down to a limit
+  whose value is unknown (it is "unexplained"), and when unexplained waits are what the window shows,
+  `diagnose_reading` says "not enough evidence" and which ``--assume-*`` flag settles it;
+* a wait is never put down to the token budget against the steps' own evidence: with the
+  ``iteration_tokens_total`` histogram per sample, only a sample whose steps reached the budget is;
 * memory: vLLM exports no device total; with one given, the non-KV memory is what the utilization
   leaves after the KV cache;
 * the trace: synthesized from the histograms (`synth_trace`), marked as such.
@@ -23,29 +28,25 @@ from typing import Any, Mapping, Sequence
 from kvtune_engine.config import EngineConfig
 from kvtune_engine.knobs import BLOCK_SIZES, BY_NAME
 
+from .diagnose import Diagnosis, Thresholds, diagnose
 from .observation import GiB, LengthStats, MetricFigures, Observation
 from .synth_trace import synthesize_trace
+from .vllm_inference import (KV_FULL, GaugeSample, Inferred, infer_max_model_len, infer_max_num_seqs,
+                             infer_token_budget, steps_between)
 
 #: vLLM's defaults (the knob table's) for the knobs it does not export (vllm serve, V1)
 VLLM_DEFAULTS = {k: BY_NAME[k].vllm_value for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")}
-#: KV usage from which a capacity wait is put down to KV blocks
-KV_FULL = 0.90
+#: the `kvtune diagnose` flag that gives each knob vLLM does not export
+ASSUME_FLAGS = {"max_num_seqs": "--assume-max-num-seqs", "max_num_batched_tokens": "--assume-max-num-batched-tokens",
+                "max_model_len": "--assume-max-model-len"}
+#: a capacity wait that no known limit explains (a limit whose value is unknown, or figures that fit none)
+UNEXPLAINED = "unexplained"
 
 
 def is_vllm(figures: MetricFigures) -> bool:
     """True for a vLLM /metrics (vllm: series and none of kvtune's own)."""
     names = {n for n, _ in figures.values}
     return any(n.startswith("vllm:") for n in names) and not any(n.startswith("kvtune_") for n in names)
-
-
-@dataclass(frozen=True)
-class GaugeSample:
-    """One moment of a vLLM engine: the gauges, and the preemption counter's increase since the last."""
-    running: float
-    waiting: float            # waiting for capacity (all waiting when the split is not exported)
-    kv_usage: float
-    preempted: float = 0.0
-    replica: str = ""          # which engine (samples come oldest first per replica)
 
 
 def in_system(samples: Sequence[GaugeSample]) -> tuple[float, float]:
@@ -58,34 +59,54 @@ def in_system(samples: Sequence[GaugeSample]) -> tuple[float, float]:
     return sum(first.values()), sum(last.values())
 
 
+STEP_HIST = "vllm:iteration_tokens_total"
+
+
 def samples_of_scrapes(scrapes: Sequence[MetricFigures]) -> list[GaugeSample]:
+    """One sample per scrape; the preemptions and the steps (iteration-tokens histogram) since the
+    previous scrape (none for the first)."""
     out, prev = [], None
     for s in scrapes:
         pre = s.get("vllm:num_preemptions_total") or 0.0
         cap = s.get("vllm:num_requests_waiting_by_reason", reason="capacity")
+        steps = None
+        if prev is not None and s.hist_count(STEP_HIST) is not None and prev.hist_count(STEP_HIST) is not None:
+            steps = steps_between(s.buckets(STEP_HIST), prev.buckets(STEP_HIST),
+                                  max(0.0, s.hist_count(STEP_HIST) - prev.hist_count(STEP_HIST)),
+                                  max(0.0, (s.hist_sum(STEP_HIST) or 0.0) - (prev.hist_sum(STEP_HIST) or 0.0)))
         out.append(GaugeSample(running=s.get("vllm:num_requests_running") or 0.0,
                                waiting=cap if cap is not None else (s.get("vllm:num_requests_waiting") or 0.0),
                                kv_usage=s.get("vllm:kv_cache_usage_perc") or 0.0,
-                               preempted=max(0.0, pre - prev) if prev is not None else 0.0))
-        prev = pre
+                               preempted=max(0.0, pre - (prev.get("vllm:num_preemptions_total") or 0.0))
+                               if prev is not None else 0.0, steps=steps))
+        prev = s
     return out
 
 
-def classify(sample: GaugeSample, max_num_seqs: int) -> str | None:
-    """The limit a capacity wait is put down to (module docstring); None when nothing waits."""
+def classify(sample: GaugeSample, max_num_seqs: int | None, token_budget: int | None = None) -> str | None:
+    """The limit a capacity wait is put down to (module docstring); None when nothing waits,
+    UNEXPLAINED when no limit whose value is known explains it: the cap unknown, or running under it
+    with KV free and the budget unknown, or the sample's steps below the budget."""
     if sample.waiting < 1:
         return None
-    if sample.running >= max_num_seqs:
+    if max_num_seqs is not None and sample.running >= max_num_seqs:
         return "max_num_seqs"
     if sample.kv_usage >= KV_FULL or sample.preempted > 0:
         return "kv_blocks"
+    if max_num_seqs is None or token_budget is None:
+        return UNEXPLAINED
+    st = sample.steps
+    if st is not None and st.steps > 0 and (st.tokens_max or 0.0) < token_budget:
+        return UNEXPLAINED  # no step of the interval reached the budget: it did not stop the head
     return "token_budget"
 
 
-def waiting_shares(samples: Sequence[GaugeSample], max_num_seqs: int) -> dict[str, float]:
-    causes = [classify(s, max_num_seqs) for s in samples]
+def waiting_shares(samples: Sequence[GaugeSample], max_num_seqs: int | None,
+                   token_budget: int | None = None) -> dict[str, float]:
+    """Share of samples whose capacity wait each limit explains, and the UNEXPLAINED share."""
+    causes = [classify(s, max_num_seqs, token_budget) for s in samples]
     n = len(causes) or 1
-    return {c: sum(1 for x in causes if x == c) / n for c in ("max_num_seqs", "token_budget", "kv_blocks")}
+    return {c: sum(1 for x in causes if x == c) / n for c in ("max_num_seqs", "token_budget", "kv_blocks", UNEXPLAINED)}
 
 
 @dataclass(frozen=True)
@@ -107,6 +128,10 @@ class VllmReading:
     #: the synthesized trace (marked: never a recorded one)
     trace: list[dict[str, Any]] = field(default_factory=list)
     trace_synthesized: bool = True
+    #: knob -> why it is unknown (neither given nor inferred; the config holds vLLM's default)
+    unknown: dict[str, str] = field(default_factory=dict)
+    #: share of samples with a capacity wait that no known limit explains
+    unexplained_share: float = 0.0
 
 
 def _bool(v: str | None) -> bool | None:
@@ -128,23 +153,36 @@ def read_vllm(figures: MetricFigures, samples: Sequence[GaugeSample], *, window_
     f = figures
     info = f.info_labels("vllm:cache_config_info") or {}
     assumed: dict[str, str] = {}
-    cfg: dict[str, Any] = {}
+    unknown: dict[str, str] = {}
+    known: dict[str, int | None] = {}
     for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         v = getattr(assume, k)
         if v is not None:
-            cfg[k] = int(v)
+            known[k] = int(v)
             assumed[k] = f"{int(v)} ({assume.given_by})"
     running_peak = max([s.running for s in samples] + [f.get("vllm:num_requests_running", agg="max") or 0.0])
-    if "max_num_seqs" not in cfg:
-        cfg["max_num_seqs"] = VLLM_DEFAULTS["max_num_seqs"]
-        assumed["max_num_seqs"] = f"{cfg['max_num_seqs']} (vLLM's default; not exported: pass the real value)"
-    if running_peak > cfg["max_num_seqs"]:  # the metrics prove the cap is at least this
-        cfg["max_num_seqs"] = int(running_peak)
+    inferred: dict[str, Inferred] = {}
+    if "max_num_batched_tokens" not in known:
+        inferred["max_num_batched_tokens"] = infer_token_budget(
+            f.buckets(STEP_HIST), f.buckets("vllm:request_prompt_tokens"), f.get("vllm:prefix_cache_hits_total") or 0.0)
+    budget = known.get("max_num_batched_tokens") or inferred["max_num_batched_tokens"].value
+    if "max_num_seqs" not in known:
+        inferred["max_num_seqs"] = infer_max_num_seqs(samples, running_peak, budget)
+    if "max_model_len" not in known:
+        inferred["max_model_len"] = infer_max_model_len(info)
+    for k, inf in inferred.items():
+        known[k] = inf.value
+        if inf.known:
+            assumed[k] = f"{inf.value} ({inf.evidence})"
+        else:
+            unknown[k] = inf.evidence
+            assumed[k] = (f"{VLLM_DEFAULTS[k]} (vLLM's default, used only where a value is needed: not exported, "
+                          f"and {inf.evidence}; pass {ASSUME_FLAGS[k]})")
+    cap = known["max_num_seqs"]
+    if cap is not None and running_peak > cap:  # the metrics prove the cap is at least this
+        cap = known["max_num_seqs"] = int(running_peak)
         assumed["max_num_seqs"] = f"{int(running_peak)} (more were running than assumed)"
-    for k in ("max_num_batched_tokens", "max_model_len"):
-        if k not in cfg:
-            cfg[k] = VLLM_DEFAULTS[k]
-            assumed[k] = f"{cfg[k]} (vLLM's default; not exported)"
+    cfg = {k: (v if v is not None else VLLM_DEFAULTS[k]) for k, v in known.items()}
     bs = int(_num(info.get("block_size")) or 16)
     if bs not in BLOCK_SIZES:  # the simulator's block sizes; keep the nearest
         near = min(BLOCK_SIZES, key=lambda b: abs(b - bs))
@@ -177,6 +215,7 @@ def read_vllm(figures: MetricFigures, samples: Sequence[GaugeSample], *, window_
         memory = {"kv_cache": kv_bytes}
     config = EngineConfig.model_validate(cfg)
 
+    shares = waiting_shares(samples, cap, known["max_num_batched_tokens"])
     win = float(window_s)
     finished = f.hist_count("vllm:e2e_request_latency_seconds") or 0.0
     rps = finished / win if win > 0 else 0.0
@@ -195,7 +234,7 @@ def read_vllm(figures: MetricFigures, samples: Sequence[GaugeSample], *, window_
     pre = int(f.get("vllm:num_preemptions_total") or 0)
     obs = Observation(
         config=config, source="vllm", window_s=win,
-        waiting_cause_share=waiting_shares(samples, config.max_num_seqs),
+        waiting_cause_share={k: v for k, v in shares.items() if k != UNEXPLAINED},
         num_blocks=num_blocks,
         kv_usage_mean=sum(usage) / len(usage), kv_usage_peak=max(usage),
         prefix_cache_hit_rate=(hits / queries) if hits is not None and queries else None,
@@ -216,7 +255,28 @@ def read_vllm(figures: MetricFigures, samples: Sequence[GaugeSample], *, window_
         waiting_mean=sum(waiting) / len(waiting), waiting_peak=max(waiting),
         lengths=LengthStats.from_trace(trace) if trace else None,
     )
-    return VllmReading(obs, assumed, trace, True)
+    return VllmReading(obs, assumed, trace, True, unknown=unknown, unexplained_share=shares[UNEXPLAINED])
+
+
+def diagnose_reading(reading: VllmReading, thresholds: Thresholds = Thresholds(), **kw: Any) -> Diagnosis:
+    """`diagnose` of a vLLM reading, or NotEnoughEvidence when the window's waits are mostly ones no
+    known limit explains (naming a cause would guess the unknown limit's value)."""
+    obs, u = reading.observation, reading.unexplained_share
+    explained = max(obs.waiting_cause_share.values(), default=0.0)
+    if u < thresholds.blocked_share or u < explained:
+        return diagnose(obs, thresholds, **kw)
+    flags = [ASSUME_FLAGS[k] for k in ("max_num_seqs", "max_num_batched_tokens") if k in reading.unknown]
+    ask = (f"pass {' and '.join(flags)} with the server's values" if flags else
+           "check the given max_num_seqs and max_num_batched_tokens against the server's flags")
+    why = "; ".join(f"{k}: {v}" for k, v in reading.unknown.items() if k != "max_model_len") or (
+        "the waits fit no given limit: running under the cap with KV free and steps under the budget")
+    figs = {"unexplained_share": round(u, 4), "waiting_cause_share": dict(obs.waiting_cause_share),
+            "running": round(obs.running_peak, 1), "waiting": round(obs.waiting_peak, 1),
+            "kv_usage": round(obs.kv_usage_mean, 4), "unknown": dict(reading.unknown), "flags": flags}
+    msg = (f"Not enough evidence to name a cause: requests waited in {100 * u:.0f}% of samples (running up to "
+           f"{obs.running_peak:g}, KV usage {100 * obs.kv_usage_mean:.0f}%) and no known limit explains it ({why}); "
+           f"{ask}, or observe a longer window under load.")
+    return Diagnosis("NotEnoughEvidence", msg, figs, None, {})
 
 
 def assumed_text(assumed: Mapping[str, str]) -> str:
