@@ -182,10 +182,11 @@ def _json_default(x: Any) -> Any:
 # kvtune tune
 
 
-_ROW_KEYS = (("goodput", "goodput_requests_per_s", "{:.3g} req/s"),
+#: the rows of `kvtune tune`'s comparison, named as vLLM's benchmarks name them (ttft, tpot, request goodput)
+_ROW_KEYS = (("req goodput", "goodput_requests_per_s", "{:.3g} req/s"),
              ("throughput", "output_tokens_per_s", "{:.0f} tok/s"),
-             ("TTFT p99", "ttft_p99_s", "{:.3g} s"),
-             ("TPOT p99", "tpot_p99_s", "{:.3g} s"),
+             ("ttft p99", "ttft_p99_s", "{:.3g} s"),
+             ("tpot p99", "tpot_p99_s", "{:.3g} s"),
              ("queue p99", "queue_time_p99_s", "{:.3g} s"),
              ("KV usage", "kv_usage_mean", "{:.0%}"))
 

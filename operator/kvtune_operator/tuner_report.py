@@ -293,8 +293,8 @@ def write_png(rep: TuneReport, path: Path) -> Path:
 
 def _summary_text(rep: TuneReport) -> str:
     c, b = rep.chosen, rep.current
-    rows = [("goodput req/s", "goodput_requests_per_s", "{:.3g}"), ("output tok/s", "output_tokens_per_s", "{:.0f}"),
-            ("p95 TTFT", "ttft_p95_s", None), ("p95 TPOT", "tpot_p95_s", None), ("p95 queue", "queue_time_p95_s", None)]
+    rows = [("req goodput/s", "goodput_requests_per_s", "{:.3g}"), ("output tok/s", "output_tokens_per_s", "{:.0f}"),
+            ("ttft p95", "ttft_p95_s", None), ("tpot p95", "tpot_p95_s", None), ("queue p95", "queue_time_p95_s", None)]
     lines = ["chosen: " + (c.label if c.changes else "keep the current config"), "",
              f"{'':14}{'current':>11}{'chosen':>11}"]
     for lab, key, fmt in rows:
@@ -321,24 +321,24 @@ def margins(rep: TuneReport) -> list[str]:
     """The chosen config's margins, in words: SLO headroom at p95 and lead over the runner-up."""
     out = []
     c = rep.chosen
-    for lab, key, target in (("TTFT", "ttft_p95_s", rep.slo.ttft_s), ("TPOT", "tpot_p95_s", rep.slo.tpot_s)):
+    for lab, key, target in (("ttft", "ttft_p95_s", rep.slo.ttft_s), ("tpot", "tpot_p95_s", rep.slo.tpot_s)):
         v = c.fig(key)
         if target is not None and v is not None:
             head = (target - v) / target
-            out.append(f"p95 {lab} {_fmt_s(v)} vs objective {_fmt_s(target)}: "
+            out.append(f"{lab} p95 {_fmt_s(v)} vs objective {_fmt_s(target)}: "
                        + (f"{head:.0%} headroom" if head >= 0 else f"misses by {-head:.0%}"))
     share = c.summary.get("requests", {})
     if share.get("total"):
-        out.append(f"{share['meeting_slo'] / share['total']:.1%} of requests within the SLO "
+        out.append(f"slo_attainment {share['meeting_slo'] / share['total']:.1%} "
                    f"(current {rep.current.summary['requests']['meeting_slo'] / share['total']:.1%})")
     bg, cg = rep.current.fig("goodput_requests_per_s") or 0.0, c.fig("goodput_requests_per_s") or 0.0
     if c.changes and bg > 0:
-        out.append(f"predicted goodput {cg / bg - 1:+.0%} vs current")
+        out.append(f"predicted request goodput {cg / bg - 1:+.0%} vs current")
     ru = rep.runner_up
     if ru is not None:
         rg = ru.fig("goodput_requests_per_s") or 0.0
         if cg > 0:
-            out.append(f"next best predicted: {ru.label} at {rg / cg - 1:+.1%} goodput vs chosen")
+            out.append(f"next best predicted: {ru.label} at {rg / cg - 1:+.1%} request goodput vs chosen")
     return out
 
 
