@@ -66,6 +66,21 @@ def test_bf16():
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
 
 
+@pytest.mark.parametrize("bs", [16, 128])
+@pytest.mark.parametrize("hq,hk,d", [(8, 4, 64), (8, 1, 64), (16, 2, 128), (4, 4, 32)])
+def test_bf16_caches_are_read_exactly_and_summed_in_float32(bs, hq, hk, d):
+    """A bf16 cache widens to float32 exactly, so the kernel's bf16 output is the float32 result on
+    the same values rounded once to bf16: within half a bf16 ulp (2^-9 relative) of it, plus the
+    float32 path's own 1e-5 (a kernel summing in bf16 would be off by ~2^-8 per product summed)."""
+    lens = [1, bs - 1, bs + 3, 300]
+    kc, vc, bt, _ = make_cache(lens, hk, d, bs, seed=bs + hq + d)
+    kc, vc, q = kc.bfloat16(), vc.bfloat16(), torch.randn(len(lens), hq, d).bfloat16()
+    ref32, _ = run_both(q.float(), kc.float(), vc.float(), bt, lens)
+    out = cpu_paged.paged_decode_cpu(q, kc, vc, bt, torch.tensor(lens, dtype=torch.int32), 1 / math.sqrt(d))
+    assert out.dtype == torch.bfloat16
+    assert ((out.float() - ref32).abs() <= ref32.abs() * 2.0 ** -8 + ATOL).all()
+
+
 def test_check():
     cpu_paged.check()
 

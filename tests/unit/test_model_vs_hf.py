@@ -95,6 +95,35 @@ def test_bfloat16_close_to_transformers_bfloat16(tiny_model, arch):
     assert torch.equal(ours.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_bfloat16_decodes_close_to_transformers_bfloat16(tiny_model, drive, arch):
+    """Decodes in bf16 through the paged cache (bf16 KV read by the CPU kernel, summed in float32),
+    teacher-forced against transformers' bf16 forward on the same tokens. Tolerance: logprobs within
+    2 x BF16_ATOL, since a logprob is a logit minus the row's logsumexp, each within BF16_ATOL (bf16
+    rounds every layer's output to 8 bits: ~0.4% of the logits' std of about 3 per rounding); the
+    greedy token is transformers' argmax wherever its top-2 margin exceeds that."""
+    d = tiny_model(arch)
+    cfg = config()
+    runner = ModelRunner(d, cfg, dtype="bfloat16", seed=0)
+    assert runner.k_cache.dtype == torch.bfloat16
+    hf = hf_model(d, torch.bfloat16)
+    reqs = [Request(p, SamplingParams(max_tokens=24, temperature=0.0, logprobs=1, ignore_eos=True))
+            for p in prompts([5, 30, 70], seed=7)]
+    _, lps = drive(runner, cfg, reqs)
+    for r in reqs:
+        with torch.inference_mode():
+            logp = torch.log_softmax(hf(torch.tensor([r.all_token_ids])).logits[0].float(), -1)
+        n = r.num_prompt_tokens
+        rows = logp[n - 1:-1]
+        got = lps[r.request_id]
+        ours = torch.tensor([x.logprob for x in got])
+        theirs = rows[torch.arange(len(got)), torch.tensor(r.output_token_ids)]
+        torch.testing.assert_close(ours, theirs, atol=2 * BF16_ATOL, rtol=0)
+        top2 = rows.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 2 * BF16_ATOL
+        assert torch.equal(torch.tensor(r.output_token_ids)[clear], rows.argmax(-1)[clear])
+
+
 def test_same_text_as_transformers_generate(tiny_model, drive):
     """End to end through the tokenizers: text in, greedy text out, as `generate` gives."""
     from kvtune_engine.model import load_tokenizer

@@ -4,6 +4,8 @@
 // the sequence's block table (one contiguous block_size x head_dim tile per block and head), the
 // scores get a float32 softmax, and V is accumulated block by block. Nothing is gathered or padded,
 // so each byte of context is read once per step (the PyTorch reference copies it first).
+// float32 and bfloat16 caches take the compiled-in fast path (bf16 rows widen to float32 as they are
+// loaded, and every sum is float32); float16 takes the generic loop.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -60,6 +62,26 @@ inline vf loadv(const float* p) {
   return v;
 }
 
+// W bfloat16 values widened to float32: a bfloat16 is the high half of a float32's bits, so each
+// widens exactly by a zero-extend and a 16-bit shift (vpmovzxwd + vpslld on AVX-512); the sums
+// stay float32. Read this way, a bf16 cache costs half the bytes of a float32 one per row.
+typedef uint16_t vh16 __attribute__((vector_size(W * sizeof(uint16_t))));
+typedef uint32_t vu32 __attribute__((vector_size(W * sizeof(uint32_t))));
+inline vf loadv(const c10::BFloat16* p) {
+  vh16 h;
+  std::memcpy(&h, p, sizeof h);
+  const vu32 u = __builtin_convertvector(h, vu32) << 16;
+  vf v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+// the G x D outputs of one task: float32 as is, bfloat16 rounded to nearest even
+inline void store_out(float* out, const vf& v) { std::memcpy(out, &v, sizeof v); }
+inline void store_out(c10::BFloat16* out, const vf& v) {
+  for (int i = 0; i < W; ++i) out[i] = c10::BFloat16(v[i]);
+}
+
 inline float hsum(vf v) {
   float r = 0.f;
   for (int i = 0; i < W; ++i) r += v[i];
@@ -67,22 +89,24 @@ inline float hsum(vf v) {
 }
 
 // the next block's row is prefetched 256 bytes at a time (the adjacent-line prefetcher does the rest)
-constexpr int PREFETCH_FLOATS = 64;
+constexpr int PREFETCH_BYTES = 256;
+template <typename E>
+constexpr int PREFETCH_ELEMS = PREFETCH_BYTES / sizeof(E);
 
 // body(t, row) for each of a sequence's ctx rows of one head's cache (row: D floats as D/W vectors),
 // block by block through its table; each row prefetches the same row of the next block, and the
 // last block's rows those of ``after``
-template <int D, typename Body>
-inline void for_each_row(const float* head, const float* after, const int64_t* table, int64_t ctx, int64_t bs,
+template <int D, typename E, typename Body>
+inline void for_each_row(const E* head, const E* after, const int64_t* table, int64_t ctx, int64_t bs,
                          Body&& body) {
   constexpr int C = D / W;
   const int64_t nb = (ctx + bs - 1) / bs;
   for (int64_t b = 0; b < nb; ++b) {
-    const float* blk = head + table[b] * bs * D;
-    const float* next = b + 1 < nb ? head + table[b + 1] * bs * D : after;
+    const E* blk = head + table[b] * bs * D;
+    const E* next = b + 1 < nb ? head + table[b + 1] * bs * D : after;
     const int64_t t0 = b * bs, tn = std::min(bs, ctx - t0);
     for (int64_t t = 0; t < tn; ++t) {
-      for (int x = 0; x < D; x += PREFETCH_FLOATS) __builtin_prefetch(next + t * D + x);
+      for (int x = 0; x < D; x += PREFETCH_ELEMS<E>) __builtin_prefetch(next + t * D + x);
       vf row[C];
       for (int c = 0; c < C; ++c) row[c] = loadv(blk + t * D + W * c);
       body(t0 + t, row);
@@ -119,10 +143,10 @@ inline vf reduce_lanes(vf* a) {  // a[0..2S-1], overwritten
 }
 
 // the G heads' partial dot products with one K row (lane sums still to take), prefetching `ahead`
-template <int G, int D>
-inline void row_dots(const vf (&qv)[G][D / W], const float* row, const float* ahead, vf* dots) {
+template <int G, int D, typename E>
+inline void row_dots(const vf (&qv)[G][D / W], const E* row, const E* ahead, vf* dots) {
   constexpr int C = D / W;
-  for (int x = 0; x < D; x += PREFETCH_FLOATS) __builtin_prefetch(ahead + x);
+  for (int x = 0; x < D; x += PREFETCH_ELEMS<E>) __builtin_prefetch(ahead + x);
   vf kv[C];
   for (int c = 0; c < C; ++c) kv[c] = loadv(row + W * c);
   for (int j = 0; j < G; ++j) {
@@ -138,10 +162,11 @@ inline void row_dots(const vf (&qv)[G][D / W], const float* row, const float* ah
 // of the next block (blocks lie anywhere: the hardware prefetcher starts over at each one; 1.25x at
 // 256 sequences of the benchmark's model, whose K/V do not fit in cache). Scores are made W at a
 // time (W / G rows for each of the G heads), reduced together by reduce_lanes: the per-score
-// reductions had made the kernel compute-bound even on contexts that stream from memory.
-template <int G, int D>
-inline void decode_task_f32(const float* q, int64_t q_stride_h, const float* kh, const float* vh,
-                            const int64_t* table, int64_t ctx, int64_t bs, float scale, float* scores, float* out) {
+// reductions had made the kernel compute-bound even on contexts that stream from memory. E is the
+// cache's element type: float32, or bfloat16 widened to float32 as it is loaded (all sums float32).
+template <typename E, int G, int D>
+inline void decode_task(const E* q, int64_t q_stride_h, const E* kh, const E* vh,
+                        const int64_t* table, int64_t ctx, int64_t bs, float scale, float* scores, E* out) {
   static_assert(G <= W && D % W == 0, "a GQA group wider than a vector, or a head_dim not a multiple of it");
   constexpr int C = D / W;
   constexpr int NT = W / G;  // rows per group of W scores
@@ -151,8 +176,8 @@ inline void decode_task_f32(const float* q, int64_t q_stride_h, const float* kh,
   const int64_t nb = (ctx + bs - 1) / bs;
   const int64_t last = table[nb - 1];
   for (int64_t b = 0; b < nb; ++b) {
-    const float* blk = kh + table[b] * bs * D;
-    const float* next = b + 1 < nb ? kh + table[b + 1] * bs * D : vh + table[0] * bs * D;  // then V's first
+    const E* blk = kh + table[b] * bs * D;
+    const E* next = b + 1 < nb ? kh + table[b + 1] * bs * D : vh + table[0] * bs * D;  // then V's first
     const int64_t t0 = b * bs, tn = std::min(bs, ctx - t0);
     int64_t t = 0;
     for (; t + NT <= tn; t += NT) {
@@ -160,7 +185,7 @@ inline void decode_task_f32(const float* q, int64_t q_stride_h, const float* kh,
 #pragma GCC unroll 16
       for (int i = 0; i < NT; ++i) {
         vf dots[G];
-        row_dots<G, D>(qv, blk + (t + i) * D, next + (t + i) * D, dots);
+        row_dots<G, D, E>(qv, blk + (t + i) * D, next + (t + i) * D, dots);
 #pragma GCC unroll 16
         for (int j = 0; j < G; ++j) acc[bitrev(j * NT + i)] = dots[j];
       }
@@ -170,7 +195,7 @@ inline void decode_task_f32(const float* q, int64_t q_stride_h, const float* kh,
     }
     for (; t < tn; ++t) {  // the block's last rows, fewer than NT
       vf dots[G];
-      row_dots<G, D>(qv, blk + t * D, next + t * D, dots);
+      row_dots<G, D, E>(qv, blk + t * D, next + t * D, dots);
       for (int j = 0; j < G; ++j) scores[j * ctx + t0 + t] = hsum(dots[j]);
     }
   }
@@ -178,32 +203,37 @@ inline void decode_task_f32(const float* q, int64_t q_stride_h, const float* kh,
   vf acc[G][C];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < C; ++c) acc[j][c] = vf{};
-  for_each_row<D>(vh, vh + last * bs * D, table, ctx, bs, [&](int64_t t, const vf* vv) {
+  for_each_row<D, E>(vh, vh + last * bs * D, table, ctx, bs, [&](int64_t t, const vf* vv) {
     for (int j = 0; j < G; ++j) {
       const float p = scores[j * ctx + t];
       for (int c = 0; c < C; ++c) acc[j][c] += p * vv[c];
     }
   });
   for (int j = 0; j < G; ++j)
-    for (int c = 0; c < C; ++c) std::memcpy(out + j * D + W * c, &acc[j][c], sizeof(vf));
+    for (int c = 0; c < C; ++c) store_out(out + j * D + W * c, acc[j][c]);
 }
 
-using TaskF32 = void (*)(const float*, int64_t, const float*, const float*, const int64_t*, int64_t, int64_t,
-                         float, float*, float*);
+template <typename E>
+using Task = void (*)(const E*, int64_t, const E*, const E*, const int64_t*, int64_t, int64_t, float, float*, E*);
+
+// the element types with a fast path (float16 takes the generic loop)
+template <typename E>
+constexpr bool kFastPath = std::is_same_v<E, float> || std::is_same_v<E, c10::BFloat16>;
 
 // the compiled-in (G, D) cases (the GQA groups and head sizes of the Llama/Qwen family) that fit the
 // vector width; nullptr: generic loop
-template <int G, int D>
-constexpr TaskF32 task_if_fits() {
-  if constexpr (G <= W) {
-    return &decode_task_f32<G, D>;
+template <typename E, int G, int D>
+constexpr Task<E> task_if_fits() {
+  if constexpr (G <= W && kFastPath<E>) {
+    return &decode_task<E, G, D>;
   } else {
     return nullptr;
   }
 }
 
-inline TaskF32 fixed_task(int64_t g, int64_t d) {
-#define KVTUNE_CASE(G, D) if (g == G && d == D) return task_if_fits<G, D>();
+template <typename E>
+inline Task<E> fixed_task(int64_t g, int64_t d) {
+#define KVTUNE_CASE(G, D) if (g == G && d == D) return task_if_fits<E, G, D>();
   KVTUNE_CASE(1, 64) KVTUNE_CASE(2, 64) KVTUNE_CASE(4, 64) KVTUNE_CASE(8, 64)
   KVTUNE_CASE(1, 128) KVTUNE_CASE(2, 128) KVTUNE_CASE(4, 128) KVTUNE_CASE(8, 128)
 #undef KVTUNE_CASE
@@ -220,7 +250,7 @@ void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, co
   // dynamic scheduling: contexts differ by 10x within a step, and a static split of the (sequence,
   // head) tasks leaves one thread waiting for the other (3-4% of the kernel at 256 sequences)
   const int64_t tasks = n * hk;
-  [[maybe_unused]] const TaskF32 fixed = fixed_task(g, d);
+  [[maybe_unused]] const Task<scalar_t> fixed = fixed_task<scalar_t>(g, d);
 #pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks))))
   {
     std::vector<float> qf(g * d), acc(g * d), scores;
@@ -237,7 +267,7 @@ void decode_kernel(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, co
       const int64_t* table = bt + s * bt_stride;
       const scalar_t* kh = kc + h * head_stride;
       const scalar_t* vh = vc + h * head_stride;
-      if constexpr (std::is_same_v<scalar_t, float>) {
+      if constexpr (kFastPath<scalar_t>) {
         if (fixed != nullptr) {
           fixed(q + s * q_stride_n + h * g * q_stride_h, q_stride_h, kh, vh, table, ctx, bs, scale,
                 scores.data(), out + s * hq * d + h * g * d);

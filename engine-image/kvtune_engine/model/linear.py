@@ -18,12 +18,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_PACKABLE = (torch.float32,)  # the dtype measured (bench/step_profile.py); 16-bit types keep torch's path
+from .. import cpu_features
+
+
+def _packable(dtype: torch.dtype) -> bool:
+    """float32; bfloat16 where the CPU computes in it (AMX / avx512_bf16: oneDNN's packed bf16 GEMM
+    ran the benchmark model's shapes at 1.1-8x ``F.linear`` in bf16, 2 threads); float16 keeps torch's path."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_features.has_bf16())
 
 
 def packing_enabled(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """oneDNN prepacking applies: CPU, float32, torch built with oneDNN, not turned off."""
-    return (torch.device(device).type == "cpu" and dtype in _PACKABLE and torch.backends.mkldnn.is_available()
+    """oneDNN prepacking applies: CPU, float32 (or bf16 on a bf16 CPU), torch built with oneDNN, not turned off."""
+    return (torch.device(device).type == "cpu" and _packable(dtype) and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
             and os.environ.get("KVTUNE_CPU_GEMM", "").lower() != "torch")
 

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention, write_kv
-from .config import ModelConfig, ModelLoadError, parse_dtype
+from .config import ModelConfig, ModelLoadError
+from .dtype_choice import choose_dtype
 from .linear import Linear, packing_enabled
 from .ops import rms_norm, rope, silu_and_mul
 from .weights import Checkpoint
@@ -120,9 +121,10 @@ class CausalLM(nn.Module):
 
 def load_model(model_dir: str | Path, dtype: str | torch.dtype | None = "auto",
                device: str | torch.device = "cpu") -> CausalLM:
-    """Build the decoder from a local HF directory (config.json + safetensors); never downloads."""
+    """Build the decoder from a local HF directory (config.json + safetensors); never downloads.
+    The dtype: ``dtype_choice.choose_dtype`` (bfloat16 on CPU only where the CPU has it)."""
     cfg = ModelConfig.from_dir(model_dir)
-    dt = parse_dtype(dtype, cfg.dtype)
+    dt = choose_dtype(dtype, cfg.dtype, device)
     ck = Checkpoint(model_dir)
     H, I, qs, kvs = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
 

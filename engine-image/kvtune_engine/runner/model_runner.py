@@ -104,7 +104,8 @@ class ModelRunner:
         if cpu_kernels:
             self.model.write_fn = cpu_paged.write_kv_cpu
         #: prefill chunks go through the decode kernel too (see FOLDED_PREFILL_MAX_CONTEXT); in float32
-        #: only, where the kernel has its fast path (other dtypes take its generic loop)
+        #: only: in bf16 the kernel's float32 softmax and sums put prompt logits up to 0.11 from
+        #: transformers' bf16 SDPA (tests/unit/test_model_vs_hf.py allows 0.1), so bf16 prefills keep SDPA
         self.fold_prefills = self.model.decode_fn is cpu_paged.paged_decode_cpu and self.dtype == torch.float32
         if not cuda:
             # build or load the fused ops now, not in the first request's step (a cold build is
