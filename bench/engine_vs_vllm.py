@@ -1,16 +1,24 @@
 """`kvtune serve` against real vLLM (CPU build) on this machine: same model, same requests, same client.
 
 The model is bench/engine_vs_hf.py's random Llama (8 layers, hidden 512, 8 heads / 4 KV heads,
-head_dim 64 as vLLM's CPU attention needs >= 32, intermediate 1536, vocab 8192), fp32, 2 threads,
-2 GiB of KV cache, max_num_seqs 256, max_num_batched_tokens 2048, max_model_len 2048, and the same KV
-block size for both (``--block-size``, default 128: what vLLM picks on CPU when none is given;
-kvtune's default is 16, whose 4 KiB tiles its decode kernel reads ~20% slower). Requests are
-token-id prompts of 32-512 tokens with 16-256 output tokens, greedy, EOS ignored, through
-/v1/completions with one aiohttp client:
+head_dim 64 as vLLM's CPU attention needs >= 32, intermediate 1536, vocab 8192, 8192 positions),
+fp32 (``--dtype bfloat16``: bf16 in both), 2 threads, 2 GiB of KV cache, max_num_seqs 256,
+max_num_batched_tokens 2048, prefix caching and chunked prefill on in both, and each engine's own
+default KV block size (128 on CPU in both; ``--block-size`` gives both another). Requests are
+token-id prompts, greedy, EOS ignored, through /v1/completions with one aiohttp client; the
+workload (``--workload``):
+
+  random         256 prompts of 32-512 tokens, 16-256 output tokens (max_model_len 2048)
+  shared-prefix  256 prompts: one of 8 system prompts of 1,000 tokens, then a 80-120-token suffix
+                 of its own; 16-128 output tokens (prefix-cache hits: max_model_len 2048)
+  long-prompt    48 prompts of 2,000-4,000 tokens, 8-32 output tokens (max_model_len 4096: chunked
+                 prefill in both at a 2048-token budget)
+
+and the modes:
 
   all-at-once  every request sent at once, not streamed: output tokens / wall time
-  streamed     the first 64 streamed at concurrency 32: output tok/s, TTFT and ITL (gaps between
-               SSE chunks) p50/p99
+  streamed     64 other requests of the workload (long-prompt: 32) streamed at concurrency 32: output
+               tok/s, TTFT and ITL (gaps between SSE chunks) p50/p99
 
 The two servers run one after the other, never together, in both orders (kvtune then vLLM, vLLM then
 kvtune); peak RSS is the largest sum over each server's process tree, sampled every 0.2 s. The
@@ -23,6 +31,7 @@ instead) and is started by tests/vllm/server.py.
     .venv/bin/python bench/engine_vs_vllm.py                    # both orders, 20-30 minutes
     .venv/bin/python bench/engine_vs_vllm.py --runs 2 --json    # two consecutive runs of both orders
     .venv/bin/python bench/engine_vs_vllm.py --only kvtune      # kvtune alone (no vLLM needed)
+    .venv/bin/python bench/engine_vs_vllm.py --workload shared-prefix --dtype bfloat16
 """
 from __future__ import annotations
 
@@ -47,9 +56,14 @@ sys.path.insert(0, str(REPO))
 
 from tests.vllm.server import LoggedServer, VllmNotInstalled, VllmServer, free_port, vllm_bin  # noqa: E402
 
-MODEL = dict(arch="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, intermediate=1536)
+MODEL = dict(arch="llama", layers=8, hidden=512, heads=8, kv_heads=4, vocab=8192, intermediate=1536,
+             max_position_embeddings=8192)
 NAME = "bench"
-ENGINE = dict(kv_gib=2, max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2048, block_size=128)
+#: block_size None: each engine's default; dtype: both engines'
+ENGINE = dict(kv_gib=2, max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=2048, block_size=None,
+              dtype="float32")
+#: per workload: requests, streamed requests, max_model_len
+WORKLOADS = {"random": (256, 64, 2048), "shared-prefix": (256, 64, 2048), "long-prompt": (48, 32, 4096)}
 
 
 # ---------------------------------------------------------------- the machine's GEMM peak
@@ -135,21 +149,36 @@ class KvtuneServer(LoggedServer):
         self.log_path = run_dir / f"kvtune-{self.port}.log"
         self.argv = [str(REPO / ".venv" / "bin" / "kvtune"), "serve", "--model", str(model_dir),
                      "--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", NAME,
-                     "--dtype", "float32", "--kv-cache-memory", str(ENGINE["kv_gib"]), "--swap-space", "0",
+                     "--dtype", ENGINE["dtype"], "--kv-cache-memory", str(ENGINE["kv_gib"]), "--swap-space", "0",
                      "--max-num-seqs", str(ENGINE["max_num_seqs"]),
                      "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
-                     "--max-model-len", str(ENGINE["max_model_len"]), "--block-size", str(ENGINE["block_size"]),
-                     "--log-level", "warning"]
+                     "--max-model-len", str(ENGINE["max_model_len"]), *block_size_flag(),
+                     "--enable-prefix-caching", "--enable-chunked-prefill", "--log-level", "warning"]
         # a crash in native code (or a kill) must leave a trace in the log
         self.env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONFAULTHANDLER": "1"}
         self.proc = None
 
 
+def block_size_flag() -> list[str]:
+    """``--block-size N`` where one is given to both, else nothing: each engine's default."""
+    return [] if ENGINE["block_size"] is None else ["--block-size", str(ENGINE["block_size"])]
+
+
 # ---------------------------------------------------------------- the client
-def workload(n: int, seed: int, vocab: int):
+def workload(kind: str, n: int, seed: int, vocab: int) -> list[tuple[list[int], int]]:
+    """(prompt token ids, output tokens) per request; see the module's docstring."""
     rng = random.Random(seed)
-    return [([rng.randrange(10, vocab) for _ in range(rng.randint(32, 512))], rng.randint(16, 256))
-            for _ in range(n)]
+
+    def ids(k: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(k)]
+    if kind == "random":
+        return [(ids(rng.randint(32, 512)), rng.randint(16, 256)) for _ in range(n)]
+    if kind == "shared-prefix":
+        prefixes = [ids(1000) for _ in range(8)]
+        return [(rng.choice(prefixes) + ids(rng.randint(80, 120)), rng.randint(16, 128)) for _ in range(n)]
+    if kind == "long-prompt":
+        return [(ids(rng.randint(2000, 4000)), rng.randint(8, 32)) for _ in range(n)]
+    raise ValueError(f"unknown workload {kind!r}; choose one of {', '.join(WORKLOADS)}")
 
 
 def body(prompt, max_tokens, stream):
@@ -199,7 +228,7 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else float("nan")
 
 
-async def measure(url: str, reqs, stream_n: int, concurrency: int) -> dict:
+async def measure(url: str, reqs, stream_reqs, concurrency: int) -> dict:
     timeout = aiohttp.ClientTimeout(total=3600)
     # a fresh connection per request, for both servers: vLLM's keep-alive timer (5 s) closes idle pooled
     # connections, and one reused just as it closes ends the run with "Server disconnected"
@@ -215,7 +244,7 @@ async def measure(url: str, reqs, stream_n: int, concurrency: int) -> dict:
         async def bounded(p, o):
             async with sem:
                 return await one_stream(s, url, p, o)
-        sub = reqs[:stream_n]
+        sub = stream_reqs
         t0 = time.perf_counter()
         res = await asyncio.gather(*(bounded(p, o) for p, o in sub))
         dt_stream = time.perf_counter() - t0
@@ -229,21 +258,23 @@ async def measure(url: str, reqs, stream_n: int, concurrency: int) -> dict:
             "stream_tokens_per_chunk": n_stream / max(1, sum(r["chunks"] for r in res))}
 
 
-def run_engine(which: str, model_dir: Path, run_dir: Path, reqs, a) -> dict:
+def run_engine(which: str, model_dir: Path, run_dir: Path, reqs, stream_reqs, a) -> dict:
     if which == "kvtune":
         srv = KvtuneServer(model_dir, run_dir, a.threads)
     else:
         srv = VllmServer(model_dir, run_dir / "vllm", kv_cache_gib=ENGINE["kv_gib"], args=[
             "--served-model-name", NAME, "--max-num-seqs", str(ENGINE["max_num_seqs"]),
             "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"]),
-            "--max-model-len", str(ENGINE["max_model_len"]), "--block-size", str(ENGINE["block_size"])],
+            "--max-model-len", str(ENGINE["max_model_len"]), "--dtype", ENGINE["dtype"], *block_size_flag(),
+            "--enable-prefix-caching", "--enable-chunked-prefill"],
             threads_bind="0-1" if a.threads == 2 else f"0-{a.threads - 1}")
+        srv.start_timeout_s = 1800.0  # its first start compiles the model: 7+ minutes on a busy machine
     t0 = time.perf_counter()
     srv.start()
     startup = time.perf_counter() - t0
     sampler = RssSampler(srv.proc.pid)
     try:
-        r = asyncio.run(measure(srv.url, reqs, a.stream_requests, a.concurrency))
+        r = asyncio.run(measure(srv.url, reqs, stream_reqs, a.concurrency))
     except Exception:
         print(f"{which} failed; the last lines of its log {srv.log_path}:", file=sys.stderr)
         print(srv.log_tail(40), file=sys.stderr)
@@ -277,8 +308,9 @@ def table(orders: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--stream-requests", type=int, default=64)
+    ap.add_argument("--workload", choices=list(WORKLOADS), default="random")
+    ap.add_argument("--requests", type=int, default=None, help="default: the workload's (256; long-prompt 48)")
+    ap.add_argument("--stream-requests", type=int, default=None, help="default: the workload's (64; long-prompt 32)")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=1, help="consecutive runs of both orders")
@@ -286,10 +318,15 @@ def main() -> int:
     ap.add_argument("--model-dir", type=Path, default=None, help="reuse (or create) the model here")
     ap.add_argument("--only", choices=["kvtune", "vllm"], default=None)
     ap.add_argument("--no-setup", action="store_true", help="do not install vLLM if it is missing")
-    ap.add_argument("--block-size", type=int, default=ENGINE["block_size"], help="KV block size of both engines")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help="KV block size of both engines (default: each engine's own, 128 on CPU in both)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines' dtype")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
-    ENGINE["block_size"] = a.block_size
+    n_req, n_stream, max_len = WORKLOADS[a.workload]
+    a.requests = n_req if a.requests is None else a.requests
+    a.stream_requests = n_stream if a.stream_requests is None else a.stream_requests
+    ENGINE.update(block_size=a.block_size, dtype=a.dtype, max_model_len=max_len)
 
     if a.only != "kvtune":
         try:
@@ -304,10 +341,18 @@ def main() -> int:
     model_dir = a.model_dir or run_dir / "llama-34m"
     if not (model_dir / "config.json").exists():
         make_tiny_model(model_dir, **MODEL)
-    reqs = workload(a.requests, a.seed, MODEL["vocab"])
+    positions = json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 0)
+    if positions < ENGINE["max_model_len"]:
+        raise SystemExit(f"{model_dir}: max_position_embeddings {positions} < the {a.workload} workload's "
+                         f"max_model_len {ENGINE['max_model_len']}; give another --model-dir (one is made there)")
+    # the streamed requests are others of the same workload (the same system prompts): re-sent, the
+    # all-at-once requests would be prefix-cache hits in both engines, prompt and all
+    both = workload(a.workload, a.requests + a.stream_requests, a.seed, MODEL["vocab"])
+    reqs, stream_reqs = both[:a.requests], both[a.requests:]
     n_prompt, n_out = sum(len(p) for p, _ in reqs), sum(o for _, o in reqs)
-    print(f"{a.requests} requests: prompts sum {n_prompt} tokens, outputs sum {n_out}; {a.threads} threads; "
-          f"KV block size {a.block_size}; load average {os.getloadavg()}", flush=True)
+    print(f"workload {a.workload}: {a.requests} requests ({a.stream_requests} streamed): prompts sum {n_prompt} "
+          f"tokens, outputs sum {n_out}; {a.threads} threads; {a.dtype}; KV block size "
+          f"{a.block_size or 'each engine default'}; load average {os.getloadavg()}", flush=True)
     peak0 = gemm_peak(a.threads)
     print(f"GEMM peak at the model's shapes before (GFLOP/s): {peak0['best']}", flush=True)
     order_list = [["kvtune", "vllm"], ["vllm", "kvtune"]] if a.only is None else [[a.only]]
@@ -315,7 +360,8 @@ def main() -> int:
     for run in range(a.runs):
         for order in order_list:
             print(f"run {run + 1}, order {' then '.join(order)}:", flush=True)
-            results.append({e: run_engine(e, model_dir, run_dir, reqs, a) for e in order} | {"order": order})
+            results.append({e: run_engine(e, model_dir, run_dir, reqs, stream_reqs, a) for e in order}
+                           | {"order": order})
     peak1 = gemm_peak(a.threads)
     print(f"GEMM peak at the model's shapes after  (GFLOP/s): {peak1['best']}", flush=True)
     flop_per_token = 2 * (MODEL["layers"] * (512 * 1024 + 512 * 512 + 512 * 3072 + 1536 * 512) + 512 * 8192)
@@ -337,6 +383,7 @@ def main() -> int:
     print(f"load average at the end: {os.getloadavg()}")
     if a.json:
         print(json.dumps({"runs": results, "gemm_peak_before": peak0, "gemm_peak_after": peak1,
+                          "workload": a.workload, "dtype": a.dtype, "block_size": a.block_size,
                           "requests": a.requests, "prompt_tokens": n_prompt, "output_tokens": n_out},
                          indent=2, default=str))
     tmp.cleanup()

@@ -79,7 +79,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model-dir", type=Path, default=None)
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=None, help="default: the engine's on CPU (128)")
     ap.add_argument("--reference", action="store_true", help="force the PyTorch reference attention")
     ap.add_argument("--top", type=int, default=0, help="also list the N ops with the most self time per step")
     a = ap.parse_args()
@@ -93,8 +93,9 @@ def main() -> int:
         model_dir = Path(tmp.name) / "m"
     if not (model_dir / "config.json").exists():
         make_tiny_model(model_dir, **MODEL)
+    bs = {} if a.block_size is None else {"block_size": a.block_size}
     llm = LLM(str(model_dir), kv_cache_memory=2.0, swap_space=0, max_num_seqs=a.running + 8,
-              max_num_batched_tokens=2048, max_model_len=2048, block_size=a.block_size)
+              max_num_batched_tokens=2048, max_model_len=2048, **bs)
     eng = llm.engine
     rng = random.Random(0)
     for _ in range(a.running):

@@ -29,19 +29,25 @@ class DetokState:
     num_seen: int = 0              # output tokens already detokenized
     stop_string: str | None = None
 
+    hold_back: int = 0             # characters withheld while running: the longest stop string's, less one
+
     @classmethod
     def for_prompt(cls, prompt_ids: list[int], stops: list[str], min_tokens: int = 0) -> "DetokState":
-        st = cls(ctx=prompt_ids[-DETOK_CONTEXT:], stops=list(stops), min_tokens=min_tokens)
+        st = cls(ctx=prompt_ids[-DETOK_CONTEXT:], stops=list(stops), min_tokens=min_tokens,
+                 hold_back=max((len(s) for s in stops), default=1) - 1)
         st.read_offset = len(st.ctx)
         return st
 
-    @property
-    def hold_back(self) -> int:
-        return max((len(s) for s in self.stops), default=1) - 1
-
     def release(self, finished: bool) -> str:
         """The text newly handed to the client."""
-        end = len(self.text) if finished else max(self.released, len(self.text) - self.hold_back)
+        if finished:
+            end = len(self.text)
+        else:
+            end = len(self.text) - self.hold_back
+            if end < self.released:
+                end = self.released
+        if end == self.released:
+            return ""
         delta = self.text[self.released:end]
         self.released = end
         return delta
