@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtune_operator.model import AutotuneSpec, CanaryStatus
+from kvtune_operator.tuner import canary
 from kvtune_operator.tuner.canary import Gates, PodFigures, canary_applies, judge_canary
 from kvtune_operator.tuner.decide import judge
 
@@ -25,6 +26,10 @@ def test_the_default_gates_are_todays_before_after_rule(ratio):
     kept = judge({"goodput_share": 0.8}, {"goodput_share": 0.8 * ratio}, None, 0.10).keep
     assert c.promote == kept
     assert [g.name for g in c.gates] == ["goodputRatioMin"] and c.gates[0].value == pytest.approx(ratio)
+
+
+def test_the_module_invariant_holds():
+    canary.check()
 
 
 def test_a_ttft_gate_reverts_a_canary_whose_goodput_is_as_good():

@@ -21,8 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from .decide import Objectives, judge
+
 #: the before/after rule's regression threshold (decide.Objectives.regression_threshold), as a ratio
-DEFAULT_GOODPUT_RATIO_MIN = 0.90
+DEFAULT_GOODPUT_RATIO_MIN = 1 - Objectives().regression_threshold
 #: under this slo attainment on both sides goodput says nothing: throughput decides (as decide._compare)
 NO_GOODPUT = 0.01
 
@@ -143,3 +145,15 @@ def judge_canary(canary: PodFigures, controls: Sequence[PodFigures], gates: Gate
 
 def _fmt(v: float) -> str:
     return "inf" if v == float("inf") else f"{v:.3g}"
+
+
+def check() -> None:
+    """The invariant: the default gates give the before/after rule's verdict on the same figures
+    (decide.judge), and a canary is promoted only when every gate passed."""
+    controls = [PodFigures("control", 200, 160, 20000)]
+    for ratio in (0.5, 0.85, 0.95, 1.0, 1.2):
+        j = judge_canary(PodFigures("canary", 200, 160 * ratio, 20000), controls)
+        kept = judge({"goodput_share": 0.8}, {"goodput_share": 0.8 * ratio}, None,
+                     Objectives().regression_threshold).keep
+        if j.promote != kept or j.promote != all(g.passed for g in j.gates):
+            raise AssertionError(f"canary verdict at ratio {ratio} disagrees with the before/after rule")
