@@ -52,8 +52,14 @@ Measured here (2 shared cores at load average 18-29 from other work, max_num_seq
 1 s scrapes; ``--keep`` runs re-evaluated with ``--replay``), error of the simulator in throughput /
 mean TTFT / mean TPOT / client mean e2e:
 
-* base, 240 requests at 12/s (the machine served ~0.8/s then: a queue of minutes, TTFT ~197 s):
-  -5.1% / -0.6% / +6.0% / 0.0% (from interval means alone: +1.4% / -5.4% / -2.9% / -5.1%);
+* base, as sized by default (449 requests at 11.2/s, the machine quiet by then: TPOT 9 ms):
+  -0.2% / -11.3% / -0.5% / -7.3%. The TTFT gap is vLLM's frontend, which the simulator does not
+  model: of vLLM's 24.7 ms, queue 1.2 and prefill 15.9 ms are engine-core times, the other 7.6 ms
+  the wait for the step in progress (~4.5 ms at 8.9 ms a step; the simulator has it) plus ~3 ms
+  from the API server to the engine core and back; the client's e2e is 56 ms over vLLM's own
+  (an unstreamed HTTP response on the same two cores): against vLLM's e2e the simulator is +0.2%;
+* base, 240 requests at 12/s on the machine at its busiest (it served ~0.8/s: a queue of minutes,
+  TTFT ~197 s): -5.1% / -0.6% / +6.0% / 0.0% (interval means alone: +1.4% / -5.4% / -2.9% / -5.1%);
 * shared-prefix, 40 requests at 0.32/s (0.7 of the warm-up's rate; prefix hit rate 0.831 on both
   sides): +1.1% / +6.5% / +1.9% / +1.5% (interval means alone: +2.7% / -20.8% / -3.9% / -4.6%);
 * preemption at 1.0 of the warm-up's rate (40 requests at 0.71/s; ~4 running, no preemption on
