@@ -181,7 +181,7 @@ def test_huge_requests_do_not_stall_another_stream(tiny_llama):  # noqa: F811
                                 started.set()
                 st = asyncio.create_task(stream())
                 await started.wait()
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(1.0)  # the control: this machine's gaps with no hostile request
                 t0 = time.monotonic()
                 rs = await asyncio.gather(*[c.post(s.url + "/v1/completions", json={"prompt": p, "max_tokens": 1})
                                             for p in (long_ok, too_long, long_ok, too_long)])
@@ -198,8 +198,12 @@ def test_huge_requests_do_not_stall_another_stream(tiny_llama):  # noqa: F811
         before = sorted(g for g, b in zip(gaps, times[1:]) if b < t0)
         during = [g for g, b in zip(gaps, times[1:]) if t0 <= b <= t1 + 0.1]
         assert times[-1] > t1, "the stream ended before the hostile requests did"
-        base = before[len(before) // 2]
-        assert during and max(during) < max(0.25, 10 * base), (base, max(during), t1 - t0)
+        # A server that tokenized on its event loop froze the stream for the whole tokenization (~1.6 s for
+        # the 1e6 characters). The bound is this machine's own: 10x the stream's median gap, or twice the
+        # longest gap of the control second before (a busy machine's scheduler alone stalls a process for
+        # a few hundred ms: seen at load average 25 on 2 cores), and never under 0.25 s.
+        base, control = before[len(before) // 2], before[-1]
+        assert during and max(during) < max(0.25, 10 * base, 2 * control), (base, control, max(during), t1 - t0)
 
 
 # ---------------------------------------------------------------------------------------------- admin key
