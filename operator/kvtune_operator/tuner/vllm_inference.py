@@ -170,7 +170,7 @@ def infer_max_model_len(info: dict[str, str]) -> Inferred:
         return Inferred(None, "cache_config_info's kv_cache_size_tokens / kv_cache_max_concurrency unreadable")
     if not (tokens > 0 and conc > 0) or math.isnan(tokens + conc):
         return Inferred(None, "cache_config_info gives no kv_cache_size_tokens and kv_cache_max_concurrency")
-    return Inferred(int(round(tokens / conc)), f"inferred: cache_config_info's kv_cache_size_tokens {tokens:g} / "
+    return Inferred(int(round(tokens / conc)), f"inferred: cache_config_info's kv_cache_size_tokens {tokens:.0f} / "
                                                f"kv_cache_max_concurrency {conc:g}")
 
 
