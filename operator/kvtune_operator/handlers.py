@@ -62,8 +62,14 @@ def build_registry(settings: Settings, reconciler: Reconciler,
     def login(**kwargs: Any) -> Any:
         return kopf.login_via_client(**kwargs)
 
+    ours = settings
+
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+        # kopf runs every sync handler in one thread pool, min(32, CPUs + 4) threads by default: on a
+        # 2-CPU pod 6, of which up to tuning_rounds_at_once hold a round for seconds, and the fleet's
+        # reconciles and timer polls queued behind them (a Ready seen late, due rounds offered late)
+        settings.execution.max_workers = ours.tuning_rounds_at_once + ours.handler_threads
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=ANNOTATION_PREFIX, key="last-handled-configuration")

@@ -44,6 +44,10 @@ class Settings(BaseModel):
         4, ge=1, le=256, description="Tuning rounds run at once at most (each reads Prometheus, replays the trace in "
                                      "the simulator and writes status); more due ones wait, the one due longest "
                                      "first (round_queue.py).")
+    handler_threads: int = Field(
+        8, ge=1, le=256, description="Threads for the reconciles and timer polls, besides the tuning rounds' (kopf's "
+                                     "handler pool has tuning_rounds_at_once + this many): a round holds its thread "
+                                     "for seconds, and the fleet's reconciles must not wait for them.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Port of the operator's own /metrics (tuning round "
                                                              "lag, rounds running and waiting); 0: not served.")
     retry_backoff: float = Field(5.0, gt=0, description="First retry delay (s) after a failed reconcile; doubles.")

@@ -64,9 +64,10 @@ class OperatorProcess:
         argv = [str(exe), "operator", "run", *sum((["--namespace", n] for n in self.namespaces), [])]
         if self.kubeconfig:
             argv += ["--kubeconfig", self.kubeconfig]
-        env = {**self.env, "KVTUNE_STATUS_INTERVAL": "1", "KVTUNE_RETRY_BACKOFF": "1",
-               "KVTUNE_LIVENESS": f"http://127.0.0.1:{self.port}/healthz",
-               "KVTUNE_ENGINE_IMAGE": "kvtune/kvtune-engine:test", "PYTHONUNBUFFERED": "1",
+        # the tests' defaults, then the caller's env (a fleet sets a longer status interval)
+        env = {"KVTUNE_STATUS_INTERVAL": "1", "KVTUNE_RETRY_BACKOFF": "1",
+               "KVTUNE_ENGINE_IMAGE": "kvtune/kvtune-engine:test", **self.env,
+               "KVTUNE_LIVENESS": f"http://127.0.0.1:{self.port}/healthz", "PYTHONUNBUFFERED": "1",
                # the pod node runs engine pods as local processes, scraped at 127.0.0.1 (not their pod IPs)
                "KVTUNE_ALLOW_LOOPBACK_ENGINES": "true"}
         if self.kubeconfig:

@@ -23,6 +23,18 @@ def test_registry_has_the_handlers():
     assert {h.id for h in registry._activities.get_all_handlers()} >= {"uptime_seconds"}
 
 
+def test_startup_sizes_kopfs_handler_pool_for_the_rounds_and_the_reconciles():
+    """kopf's default pool is min(32, CPUs + 4) threads (6 on two CPUs): with 4 rounds at once holding
+    theirs for seconds, a fleet's reconciles and timer polls queued behind them."""
+    import kopf
+
+    settings = Settings.from_env({"KVTUNE_TUNING_ROUNDS_AT_ONCE": "8", "KVTUNE_HANDLER_THREADS": "5"})
+    registry = build_registry(settings, Reconciler(kube=None, settings=settings))
+    ops = kopf.OperatorSettings()
+    next(h for h in registry._activities.get_all_handlers() if h.id.endswith("configure")).fn(settings=ops)
+    assert ops.execution.max_workers == 13 and ops.execution.executor._max_workers == 13
+
+
 def test_retry_backoff_doubles_and_caps():
     s = Settings.from_env({"KVTUNE_RETRY_BACKOFF": "2", "KVTUNE_RETRY_BACKOFF_MAX": "10"})
     assert [retry_delay(s, r) for r in range(5)] == [2, 4, 8, 10, 10]
