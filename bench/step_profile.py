@@ -8,6 +8,7 @@ sampling; the rest of the step's wall time is Python (batch flattening, schedule
 Detokenizing one token per sequence is timed on its own (the server's extra per-step work).
 
     .venv/bin/python bench/step_profile.py [--running 256] [--steps 5] [--threads 2] [--reference] [--top N]
+                                           [--dtype bfloat16] [--block-size N]
 """
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ def main() -> int:
     ap.add_argument("--model-dir", type=Path, default=None)
     ap.add_argument("--block-size", type=int, default=None, help="default: the engine's on CPU (128)")
     ap.add_argument("--reference", action="store_true", help="force the PyTorch reference attention")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--top", type=int, default=0, help="also list the N ops with the most self time per step")
     a = ap.parse_args()
     if a.reference:
@@ -94,7 +96,7 @@ def main() -> int:
     if not (model_dir / "config.json").exists():
         make_tiny_model(model_dir, **MODEL)
     bs = {} if a.block_size is None else {"block_size": a.block_size}
-    llm = LLM(str(model_dir), kv_cache_memory=2.0, swap_space=0, max_num_seqs=a.running + 8,
+    llm = LLM(str(model_dir), dtype=a.dtype, kv_cache_memory=2.0, swap_space=0, max_num_seqs=a.running + 8,
               max_num_batched_tokens=2048, max_model_len=2048, **bs)
     eng = llm.engine
     rng = random.Random(0)
@@ -133,7 +135,7 @@ def main() -> int:
             med = statistics.median(r[k] for r in rows)
             print(f"  {k:<20} {med * 1e3:9.1f} ms")
     ctx = sum(r.num_tokens for r in eng.scheduler.running) / max(1, len(eng.scheduler.running))
-    print(f"{a.running} running, mean context {ctx:.0f} tokens, {a.threads} threads, "
+    print(f"{a.running} running, mean context {ctx:.0f} tokens, {a.threads} threads, {a.dtype}, "
           f"attention: {'reference' if a.reference else 'default'}, load {os.getloadavg()}")
     show(f"decode step, {a.running} decodes (profiled; medians of {a.steps})", dec)
     print(f"  decode step without the profiler: median {statistics.median(plain) * 1e3:.1f} ms")
