@@ -129,6 +129,7 @@ def build_registry(settings: Settings, reconciler: Reconciler,
     @kopf.on.delete(**resource, registry=registry, id="deleted", optional=True)
     def deleted(namespace: str, name: str, **_: Any) -> None:
         reconciler.forget(namespace, name)
+        operator_metrics.forget(namespace, name)
         log.info("%s/%s: deleted; its children go by garbage collection", namespace, name)
 
     if keeper is not None:

@@ -31,6 +31,14 @@ PREDICTION_ERROR = Gauge("kvtune_operator_prediction_error_ratio",
                          "|predicted - measured| / measured slo attainment.", ("namespace", "name"), registry=REGISTRY)
 
 
+def forget(namespace: str, name: str) -> None:
+    """Drop a deleted deployment's series, so /metrics describes only deployments that exist."""
+    try:
+        PREDICTION_ERROR.remove(namespace, name)
+    except KeyError:
+        pass  # it never had a verdict
+
+
 def serve(port: int, address: str = "0.0.0.0") -> None:
     """Serve /metrics on ``port`` in a daemon thread (the operator's process lives as long)."""
     start_http_server(port, addr=address, registry=REGISTRY)

@@ -170,3 +170,16 @@ def test_the_operator_serves_its_round_metrics():
                  "kvtune_operator_tuning_rounds_late", "kvtune_operator_tuning_round_duration_seconds_count"):
         assert name in text, name
     assert 'kvtune_operator_tuning_round_lag_seconds_bucket{le="30.0"}' in text
+
+
+def test_a_deleted_deployment_leaves_no_prediction_error_series():
+    port = free_port()
+    operator_metrics.serve(port, address="127.0.0.1")
+    operator_metrics.PREDICTION_ERROR.labels("team-a", "chat").set(0.12)
+    operator_metrics.PREDICTION_ERROR.labels("team-a", "other").set(0.3)
+    series = 'kvtune_operator_prediction_error_ratio{name="chat",namespace="team-a"}'
+    assert series in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    operator_metrics.forget("team-a", "chat")
+    operator_metrics.forget("team-a", "never-tuned")  # no verdict yet: nothing to drop, no error
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    assert series not in text and 'name="other"' in text
