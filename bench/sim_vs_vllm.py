@@ -109,16 +109,29 @@ TTFT = "vllm:time_to_first_token_seconds"
 TPOT = "vllm:request_time_per_output_token_seconds"
 
 
-def make_trace(n: int, rate: float, seed: int) -> list[dict]:
-    """Poisson arrivals, lognormal prompt (median ~160) and output (median ~64) lengths."""
+def _lengths_trace(n: int, rate: float, seed: int, prompt: tuple[float, float, int, int],
+                   output: tuple[float, float, int, int], prefixed: bool = False) -> list[dict]:
+    """Poisson arrivals; prompt and output lengths lognormal, each (median, sigma, low, high); prefixed:
+    each prompt is one of PREFIXES system prompts of PREFIX_TOKENS plus its own suffix of that length."""
     rng = random.Random(seed)
     t, out = 0.0, []
+
+    def draw(median: float, sigma: float, low: int, high: int) -> int:
+        return max(low, min(high, int(rng.lognormvariate(math.log(median), sigma))))
     for _ in range(n):
         t += rng.expovariate(rate)
-        p = max(8, min(900, int(rng.lognormvariate(math.log(160), 0.6))))
-        o = max(4, min(400, int(rng.lognormvariate(math.log(64), 0.6))))
-        out.append({"arrival_s": round(t, 4), "prompt_tokens": p, "output_tokens": o})
+        p, o = draw(*prompt), draw(*output)
+        r = {"arrival_s": round(t, 4), "prompt_tokens": p, "output_tokens": o}
+        if prefixed:
+            r.update(prompt_tokens=PREFIX_TOKENS + p, prefix_group=f"system-{rng.randrange(PREFIXES)}",
+                     prefix_tokens=PREFIX_TOKENS)
+        out.append(r)
     return out
+
+
+def make_trace(n: int, rate: float, seed: int) -> list[dict]:
+    """Lognormal prompt (median ~160) and output (median ~64) lengths."""
+    return _lengths_trace(n, rate, seed, (160, 0.6, 8, 900), (64, 0.6, 4, 400))
 
 
 #: the shared-prefix workload's system prompts: this many, of this many tokens (5 blocks of vLLM's 128)
@@ -126,30 +139,15 @@ PREFIXES, PREFIX_TOKENS = 4, 640
 
 
 def make_shared_prefix_trace(n: int, rate: float, seed: int) -> list[dict]:
-    """Poisson arrivals; each prompt one of PREFIXES long system prompts and a short own suffix
-    (median ~48 tokens), outputs median ~48: what a few assistants behind one endpoint send."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        suffix = max(4, min(200, int(rng.lognormvariate(math.log(48), 0.6))))
-        o = max(4, min(300, int(rng.lognormvariate(math.log(48), 0.6))))
-        out.append({"arrival_s": round(t, 4), "prompt_tokens": PREFIX_TOKENS + suffix, "output_tokens": o,
-                    "prefix_group": f"system-{rng.randrange(PREFIXES)}", "prefix_tokens": PREFIX_TOKENS})
-    return out
+    """Each prompt one of PREFIXES long system prompts and a short own suffix (median ~48 tokens),
+    outputs median ~48: what a few assistants behind one endpoint send."""
+    return _lengths_trace(n, rate, seed, (48, 0.6, 4, 200), (48, 0.6, 4, 300), prefixed=True)
 
 
 def make_long_trace(n: int, rate: float, seed: int) -> list[dict]:
-    """Poisson arrivals, prompts median ~256 and outputs median ~192 tokens: each request grows to
-    3-4 blocks of 128, so 16 running need more blocks than the preemption workload's cache holds."""
-    rng = random.Random(seed)
-    t, out = 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        p = max(16, min(900, int(rng.lognormvariate(math.log(256), 0.5))))
-        o = max(16, min(400, int(rng.lognormvariate(math.log(192), 0.5))))
-        out.append({"arrival_s": round(t, 4), "prompt_tokens": p, "output_tokens": o})
-    return out
+    """Prompts median ~256 and outputs median ~192 tokens: each request grows to 3-4 blocks of 128, so
+    16 running need more blocks than the preemption workload's cache holds."""
+    return _lengths_trace(n, rate, seed, (256, 0.5, 16, 900), (192, 0.5, 16, 400))
 
 
 @dataclass(frozen=True)
