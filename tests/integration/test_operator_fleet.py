@@ -169,7 +169,10 @@ def test_one_operator_tunes_a_fleet_of_thirty_on_time(controlplane, prometheus, 
         try:
             eventually(all_ready, timeout=150, interval=0.5, what="all 30 deployments Ready 1/1")
         except AssertionError:
-            raise AssertionError(f"Ready: {len(ready_at)}/{len(fleet)}; operator log:\n{op.tail(40)}") from None
+            late = {f"{ns}/{n}": (condition(o, "Ready"), (o.get("status") or {}).get("replicaSummary"))
+                    for (ns, n), o in objects().items() if (ns, n) not in ready_at}
+            raise AssertionError(f"Ready: {len(ready_at)}/{len(fleet)} after 150 s; not Ready (condition, replicas): "
+                                 f"{late}; operator log:\n{op.tail(40)}") from None
         pods = [p for ns in fleet_ns for p in core.list_namespaced_pod(ns).items]
         pod_ready = sorted(
             next(c.last_transition_time for c in p.status.conditions if c.type == "Ready").timestamp()
