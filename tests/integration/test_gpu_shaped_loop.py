@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -60,18 +59,14 @@ from tests.infd import infd_body
 from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
     OperatorProcess, condition, crd, engine_namespace, eventually, get,
 )
+from .test_tuner_e2e import LABEL, history, log
 
 pytestmark = pytest.mark.integration
 
-LABEL = "kvtune.io/inference-deployment"
 VOCAB = 256            # the simulated engine's byte tokenizer
 INTERVAL, WINDOW = "8s", "20s"
 GRID_SHARE = 0.95      # the tuned config's goodput against the grid's best
 MAX_RESTARTS = 3
-
-
-def log(msg: str) -> None:
-    sys.stderr.write(f"[{time.strftime('%H:%M:%S')}] {msg}\n")
 
 
 @dataclass
@@ -146,10 +141,6 @@ def spec_yaml(case: Case) -> str:
                                "objectives": case.objectives(), "bounds": {"blockSize": [16], **case.bounds}})
     del body["spec"]["model"]  # a simulated engine needs none
     return yaml.safe_dump(body)
-
-
-def history(obj: dict) -> list[dict]:
-    return ((obj.get("status") or {}).get("tuning") or {}).get("history") or []
 
 
 @pytest.fixture(scope="module")

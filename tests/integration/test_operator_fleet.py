@@ -40,7 +40,7 @@ from kvtune_operator.demo.load import LoadGenerator
 from tests.infd import infd_body
 
 from .e2e_load import served_rate
-from .test_operator_cluster import OperatorProcess, _make_namespace, crd  # noqa: F401 - crd is a fixture
+from .test_operator_cluster import OperatorProcess, _make_namespace, condition, crd  # noqa: F401 - crd is a fixture
 from .waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -89,10 +89,6 @@ def body(ns: str, name: str, i: int, interval_s: int) -> dict:
 
 def ts(s: str) -> float:
     return dt.datetime.fromisoformat(s.replace("Z", "+00:00")).timestamp()
-
-
-def condition(obj: dict, type_: str) -> dict:
-    return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
 def histogram(text: str, name: str) -> dict[str, float]:
