@@ -20,18 +20,25 @@ sized as the test sizes it: 1.5 times the time the operator takes for as many ro
 
     python bench/operator_scale.py [--sizes 10,50,100] [--json out.json]
 
-Figures, ``--sizes 10`` (two cores shared with other work, load average ~10; 50 and 100 not run yet:
-each size takes its Ready time, the sizing cycle and four intervals, ~5 and ~10 minutes here):
+Figures, the default sizes, one run (2 cores, AVX-512; one other process, a helper's small tests, at
+times; 31 minutes in all):
 
-     N  interval  rounds  CPU s/dep/round  peak RSS MiB/dep  lag p50  lag p99  reconcile p50  reconcile p99
-    10       10s      29            0.259             16.45     0.7s     2.4s           0.5s           0.5s
-       apiserver req/round  prom queries/round  all within 2 intervals
-                     100.8                1.00                    True
+      N  interval  rounds  CPU s/dep/round  peak RSS MiB/dep  lag p50  lag p99  reconcile p50  reconcile p99
+     10       20s      24            0.377             16.16     0.9s     2.5s           0.5s           1.1s
+     50       60s     146            0.446              4.05     1.3s     4.7s           1.7s           2.6s
+    100      180s     286            0.692              2.74     3.8s    20.7s           6.5s          11.0s
+        apiserver req/round  prom queries/round  all within 2 intervals
+     10               227.0                1.00                    True
+     50               272.3                0.99                    True
+    100               404.4                1.00                    True
+    growth 10 -> 50 (per-deployment ratio): CPU x1.18, peak RSS x0.25, apiserver req x1.20, prom queries x0.99
+    growth 50 -> 100 (per-deployment ratio): CPU x1.55, peak RSS x0.68, apiserver req x1.49, prom queries x1.01
 
-A second run (load average ~12): N=10 interval 20 s, 0.367 CPU-s/round, 16.8 MiB/dep, lag p50 1.2 s
-p99 4.3 s, reconcile p50 0.5 s p99 1.3 s, all within two intervals; N=50: all Ready 62 s after the
-apply, 50 rounds took 68 s (1.4 s each against 0.8 s at 10), so the interval became 110 s, and the run
-was stopped before its 330 s of measurement (a deadline), so no 50/100 row and no growth figures yet.
+All Ready 6 s, 53 s and 91 s after the apply; the longest gap between one deployment's rounds was 22 s,
+67 s and 205 s (two intervals: 40, 120, 360 s). The CPU per round grows with the fleet (x1.55 from 50
+to 100): each round's refresh server-side-applies all six children of its deployment, and the kube
+client's connection pool (10) is smaller than the handler threads, so requests queue; the sizing
+cycle (100 rounds in 114 s on one process) is what sets the interval at 100.
 
 CPU s/dep/round is the operator's CPU over the measured span (refreshes and reconciles included) per
 round (a round is one deployment's); apiserver req/round counts every client, the pod node's polls

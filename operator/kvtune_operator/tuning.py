@@ -371,12 +371,15 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         # a rollback's own change (a rolled-back round decides nothing else, so rnd.config is the
         # restored config); a Keep changes nothing (rnd.config may be a decision of this same round)
         undo = {} if v.keep else knob_changes(current, rnd.config)
-        record(_decision(now, action, v.reason, cause=rnd.diagnosis.cause, restart=bool(RESTART_KNOBS & undo.keys()),
-                         before={k: getattr(current, k) for k in undo}, after=undo,
+        before = {k: getattr(current, k) for k in undo}
+        # a rollback says which change it undid: two rollbacks with the same figures read apart
+        said = f"{v.reason} ({_camel(before)} back to {_camel(undo)})" if undo else v.reason
+        record(_decision(now, action, said, cause=rnd.diagnosis.cause, restart=bool(RESTART_KNOBS & undo.keys()),
+                         before=before, after=undo,
                          predicted=_predicted(v.predicted), measured=_figures(v.measured),
                          prediction_error_ratio=v.prediction_error_ratio),
                "Normal" if v.keep else "Warning")
-        target, phase, message = rnd.config, ("Settled" if v.keep else "RolledBack"), v.reason
+        target, phase, message = rnd.config, ("Settled" if v.keep else "RolledBack"), said
     d = rnd.decision
     if d is not None and d.action == "change":
         apply = mode == AutotuneMode.APPLY and not rnd.unreliable  # unreliable predictions: recommend only

@@ -159,12 +159,18 @@ def test_prompt_too_long_refused_before_tokenizing(srv, monkeypatch):
 def test_huge_requests_do_not_stall_another_stream(tiny_llama):  # noqa: F811
     """Other clients' big requests (a long prompt tokenized, a rejected huge one, a big JSON body)
     do not delay a running stream's tokens beyond a small bound."""
+    bursts = 3
     with run_server(tiny_llama, max_model_len=4096, kv_cache_memory=0.01) as s:
         mml_chars = 4096 * s.engine.tokenizer.max_token_chars
         # under the character bound, so it is tokenized (~11k tokens: then refused by max_model_len), and a
         # text over the bound (refused unread); neither queues work for the engine, so any gap is the server's
         long_ok = ("lorem ipsum dolor " * (mml_chars // 18))[:mml_chars]
         too_long = "word " * 200_000                          # 1e6 characters (the issue: a 1.6 s freeze)
+        # encoded once, here: the client shares this process (and its GIL) with the server, so its own
+        # JSON encoding must not show as the server's stall
+        bodies = [json.dumps({"prompt": p, "max_tokens": 1}).encode() for p in (long_ok, too_long, long_ok, too_long)]
+        hdrs = {"content-type": "application/json"}
+
         async def go():
             async with httpx.AsyncClient(timeout=120) as c:
                 times: list[float] = []
@@ -181,29 +187,35 @@ def test_huge_requests_do_not_stall_another_stream(tiny_llama):  # noqa: F811
                                 started.set()
                 st = asyncio.create_task(stream())
                 await started.wait()
-                await asyncio.sleep(1.0)  # the control: this machine's gaps with no hostile request
-                t0 = time.monotonic()
-                rs = await asyncio.gather(*[c.post(s.url + "/v1/completions", json={"prompt": p, "max_tokens": 1})
-                                            for p in (long_ok, too_long, long_ok, too_long)])
-                t1 = time.monotonic()
+                spans, answers = [], []
+                for _ in range(bursts):
+                    await asyncio.sleep(1.0)  # the control: this machine's gaps with no hostile request
+                    t0 = time.monotonic()
+                    answers += await asyncio.gather(*[c.post(s.url + "/v1/completions", content=b, headers=hdrs)
+                                                      for b in bodies])
+                    spans.append((t0, time.monotonic()))
                 await asyncio.sleep(0.1)
                 st.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await st
-                return times, t0, t1, rs
-        times, t0, t1, rs = asyncio.run(go())
-        assert [r.status_code for r in rs] == [400] * 4
+                return times, spans, answers
+        times, spans, rs = asyncio.run(go())
+        assert [r.status_code for r in rs] == [400] * 4 * bursts
         assert "characters" in rs[1].json()["error"]["message"] and "tokens" in rs[0].json()["error"]["message"]
-        gaps = [b - a for a, b in zip(times, times[1:])]
-        before = sorted(g for g, b in zip(gaps, times[1:]) if b < t0)
-        during = [g for g, b in zip(gaps, times[1:]) if t0 <= b <= t1 + 0.1]
-        assert times[-1] > t1, "the stream ended before the hostile requests did"
+        assert times[-1] > spans[-1][1], "the stream ended before the hostile requests did"
+        gaps = [(b, b - a) for a, b in zip(times, times[1:])]
+        seen = []
+        for i, (t0, t1) in enumerate(spans):
+            control = sorted(g for b, g in gaps if t0 - 1.0 <= b < t0)
+            during = [g for b, g in gaps if t0 <= b <= t1 + 0.1]
+            assert control and during, (i, len(control), len(during))
+            seen.append((control[len(control) // 2], control[-1], max(during), t1 - t0))
         # A server that tokenized on its event loop froze the stream for the whole tokenization (~1.6 s for
-        # the 1e6 characters). The bound is this machine's own: 10x the stream's median gap, or twice the
-        # longest gap of the control second before (a busy machine's scheduler alone stalls a process for
-        # a few hundred ms: seen at load average 25 on 2 cores), and never under 0.25 s.
-        base, control = before[len(before) // 2], before[-1]
-        assert during and max(during) < max(0.25, 10 * base, 2 * control), (base, control, max(during), t1 - t0)
+        # the 1e6 characters), in every burst. A busy machine's scheduler alone stalls a process for a few
+        # hundred ms now and then (seen at load average 10-25 on 2 cores), in one burst, not in each: so the
+        # burst that stalled least must stay under the bound, this machine's own: 10x the stream's median
+        # gap, or twice the longest gap of the control second before it, and never under 0.25 s.
+        assert any(longest < max(0.25, 10 * base, 2 * control) for base, control, longest, _ in seen), seen
 
 
 # ---------------------------------------------------------------------------------------------- admin key
