@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from conftest_engine import TEST_FLAGS, tiny_llama  # noqa: F401  (fixture)
 from kvtune_engine.core.request import SamplingParams
 from kvtune_engine.engine import InvalidRequest
 from kvtune_engine.llm import LLM
+from kvtune_operator.demo.engine import free_port
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +104,7 @@ def test_serve_bad_flags_one_clear_error(tiny_llama, tmp_path):  # noqa: F811
 @pytest.mark.slow
 def test_serve_process_end_to_end(tiny_llama, tmp_path):  # noqa: F811
     """The real `kvtune serve` process: port from KVTUNE_PORT, key from VLLM_API_KEY, config file."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cfg = tmp_path / "engine.yaml"
     cfg.write_text("max_num_seqs: 5\n")
     env = {**os.environ, "KVTUNE_PORT": str(port), "VLLM_API_KEY": "k1"}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from kvtune_engine.sim.profiles import load_profile  # noqa: E402
+from kvtune_operator.demo.engine import free_port  # noqa: E402
 
 PROFILE = "h200-qwen3-0.6b"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _http(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, str]:
@@ -46,7 +40,7 @@ def _cpu_s(pid: int) -> float:
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvtune_engine.server.cli", "--simulate", PROFILE,
                              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

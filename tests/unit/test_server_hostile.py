@@ -17,6 +17,8 @@ import openai
 import pytest
 from conftest_engine import run_server, tiny_llama  # noqa: F401  (fixture)
 
+from kvtune_operator.demo.engine import free_port
+
 ADMIN = "admin-secret"
 
 
@@ -556,10 +558,7 @@ def test_engine_loop_death_exits_the_process_non_zero(tiny_llama, tmp_path):  # 
     then exits non-zero so that Kubernetes restarts it, instead of answering 503 forever."""
     import subprocess
     import sys
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
+    port = free_port()
     script = tmp_path / "dying_serve.py"
     script.write_text(_DYING_SERVE)
     p = subprocess.Popen([sys.executable, str(script), "--model", str(tiny_llama), "--port", str(port),
