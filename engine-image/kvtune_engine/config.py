@@ -59,6 +59,12 @@ class _Config(BaseModel):
     def restart_changes(self, other: Any) -> set[str]:
         return {k.name for k in self.TABLE if k.restart and getattr(self, k.name) != getattr(other, k.name)}
 
+    @property
+    def profiled_batched_tokens(self) -> int:
+        """The token budget the start-up memory profile covers: ``profile_batched_tokens``, at least
+        ``max_num_batched_tokens``."""
+        return max(self.profile_batched_tokens or 0, self.max_num_batched_tokens)
+
     def as_flags(self) -> dict[str, Any]:
         """vLLM-style flag names (dashes) -> values."""
         return {k.replace("_", "-"): v for k, v in self.model_dump().items() if v is not None}

@@ -89,6 +89,14 @@ TABLE: tuple[Knob, ...] = (
          "Token budget of one step: prefill chunks plus one token per decode.", live=True, limits=(Ge(1),),
          tuned=True, bounded=True, search=(16, 65536), allowed=(1, 1048576), vllm="--max-num-batched-tokens",
          vllm_default=2048),
+    # what vLLM does at every start (it profiles its one budget); here the budget is live, so the
+    # profile is what bounds a live raise: reserving a larger step up front trades KV memory for raises
+    # without a restart, and the tuner sets it when a raise past the running profile is worth a rollout
+    # (frozen, the tuner raises the budget only within the running profile)
+    Knob("profile_batched_tokens", "profileBatchedTokens", int, None,
+         "Token budget the start-up memory profile reserves activations for (unset: max_num_batched_tokens); "
+         "max_num_batched_tokens rises live up to it, past it only with a restart.", live=False,
+         limits=(Ge(1),), tuned=True, bounded=True, search=(16, 65536), allowed=(1, 1048576)),
     Knob("max_model_len", "maxModelLen", int, 8192, "Longest prompt + output, in tokens.", live=False,
          limits=(Ge(2),), allowed=(2, 16777216), vllm="--max-model-len",
          from_model="the model's context length (max_position_embeddings); the engine refuses more"),

@@ -155,7 +155,8 @@ def run(settings: Settings, *, kubeconfig: str | None = None) -> None:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.log_level != "DEBUG":  # kopf logs every timer tick at INFO; our own lines tell the story
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    kube = Kube.from_environment(kubeconfig, field_manager=settings.field_manager)
+    kube = Kube.from_environment(kubeconfig, field_manager=settings.field_manager,
+                                 connections=settings.tuning_rounds_at_once + settings.handler_threads + 1)  # + shards
     keeper = keeper_for(settings, kube.api)
     if keeper is not None:  # its Events name the replica that took the decision
         kube.instance = keeper.table.identity

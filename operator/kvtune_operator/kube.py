@@ -107,8 +107,11 @@ class Kube:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_environment(cls, kubeconfig: str | None = None, **kwargs: Any) -> "Kube":
-        """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config)."""
+    def from_environment(cls, kubeconfig: str | None = None, *, connections: int | None = None,
+                         **kwargs: Any) -> "Kube":
+        """In-cluster credentials when running in a pod, else the kubeconfig (KUBECONFIG or ~/.kube/config).
+        ``connections``: the most threads calling at once (the client's pool is 5 per CPU: on a
+        2-CPU pod 10, and a busier pool drops and reopens connections: "Connection pool is full")."""
         from kubernetes import client, config
 
         try:
@@ -117,7 +120,10 @@ class Kube:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config(config_file=kubeconfig)
-        return cls(client.ApiClient(), **kwargs)
+        conf = client.Configuration.get_default_copy()
+        if connections is not None:
+            conf.connection_pool_maxsize = max(conf.connection_pool_maxsize, connections)
+        return cls(client.ApiClient(conf), **kwargs)
 
     # -- generic ------------------------------------------------------------------------------
 

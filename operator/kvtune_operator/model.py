@@ -618,8 +618,10 @@ def _bounds_rule(knob: str) -> dict[str, str]:
 def _vllm_lacks_rule(name: str) -> dict[str, str]:
     default = BY_NAME[name].default
     lit = json.dumps(default) if not isinstance(default, bool) else str(default).lower()
-    return {"rule": f"self.runtime != 'vllm' || self.engine.{KNOBS[name]} == {lit}",
-            "message": f"runtime vllm has no {KNOBS[name]} (vLLM lacks the knob): leave it at its default",
+    unset = f"!has(self.engine.{KNOBS[name]})" if default is None else f"self.engine.{KNOBS[name]} == {lit}"
+    return {"rule": f"self.runtime != 'vllm' || {unset}",
+            "message": f"runtime vllm has no {KNOBS[name]} (vLLM lacks the knob): leave it "
+                       + ("unset" if default is None else "at its default"),
             "fieldPath": f".engine.{KNOBS[name]}"}
 
 

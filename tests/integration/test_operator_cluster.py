@@ -251,6 +251,8 @@ BAD = [
     ({"extraArgs": ["--dtype", "$(S)"]}, ["spec.extraArgs", "must not contain '$('"]),
     ({"extraArgs": ["--admin-port=9"]}, ["spec.extraArgs", "must not set what the operator sets"]),
     ({"runtime": "vllm", "extraArgs": ["--trust_remote_code"]}, ["spec.extraArgs", "--trust-remote-code"]),
+    ({"runtime": "vllm", "engine": {"profileBatchedTokens": 4096}},
+     ["spec.engine.profileBatchedTokens", "runtime vllm has no profileBatchedTokens", "leave it unset"]),
     ({"extraArgs": ["--port", "9000"]}, ["spec.extraArgs", "must not set what the operator sets"]),
     ({"engine": {"swapSpaceGiB": 1e308}}, ["spec.engine.swapSpaceGiB", "less than or equal to 1024"]),
     ({"engine": {"maxNumSeqs": 1000000}}, ["spec.engine.maxNumSeqs", "less than or equal to 16384"]),

@@ -21,7 +21,8 @@ MOVED = ("block_size", "enable_prefix_caching")
 def _pins() -> str:
     """--bounds pinning every other bounded knob at the start's (default) value."""
     start = EngineConfig()
-    vals = {k.name: getattr(start, k.name) for k in TABLE if k.bounded and k.name not in MOVED}
+    vals = {k.name: getattr(start, k.name) for k in TABLE
+            if k.bounded and k.name not in MOVED and getattr(start, k.name) is not None}  # unset: nothing to pin
     return ";".join(f"{n.replace('_', '-')}={str(v).lower() if isinstance(v, bool) else v}" for n, v in vals.items())
 
 

@@ -14,7 +14,7 @@ from tests.infd import infd_body
 CHANGES = {  # one valid new value per knob
     "block_size": 32, "gpu_memory_utilization": 0.8, "swap_space": 8.0, "kv_cache_memory": 0.05,
     "max_model_len": 4096, "max_num_seqs": 160, "max_num_batched_tokens": 4096, "watermark": 0.02,
-    "enable_prefix_caching": False, "enable_chunked_prefill": False,
+    "enable_prefix_caching": False, "enable_chunked_prefill": False, "profile_batched_tokens": 16384,
 }
 
 

@@ -1,5 +1,6 @@
 """The tuner proposes no live raise past the engine's start-up activation profile (issue 23): the
-engine refuses one (a bigger step may not fit in device memory); a restart change may raise."""
+engine refuses one (a bigger step may not fit in device memory); such a raise is a restart change
+that profiles the new step (``profile_batched_tokens``), and the pods roll for it."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +11,8 @@ from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.scenarios import SCENARIOS
 from kvtune_operator.tuner.decide import Objectives
 from kvtune_operator.tuner.loop import Tuner, TunerSettings, engine_takes, measure
+from kvtune_operator.model import to_engine_dict
+from kvtune_operator.render import restart_hash
 from kvtune_operator.tuner.observation import _activation_profile
 
 SC = SCENARIOS["seq-cap"]
@@ -70,9 +73,15 @@ def test_tick_rolls_back_a_live_change_the_engines_refuse_instead_of_waiting_for
     t = res.status_update["tuning"]
     assert t["phase"] == "RolledBack" and "refused" in t["message"] and "restart" in t["message"]
     assert res.status_update["engine"]["maxNumSeqs"] == 64
-    # told the profile from the start, the tuner does not raise the cap live at all
+    # told the profile from the start, the tuner raises the cap only with a rollout that profiles it
     again = tick(obj.spec, obj.status, plan, _profiled(g), now=1_000_000.0, base_profile=P)
-    assert again.status_update.get("engine", {}).get("maxNumSeqs", 64) <= 64
+    eng = again.status_update.get("engine", {})
+    if eng.get("maxNumSeqs", 64) > 64:
+        last = again.status_update["tuning"]["lastChange"]
+        assert last["restart"] and eng["profileBatchedTokens"] >= eng["maxNumBatchedTokens"], (last, eng)
+        assert restart_hash(EngineConfig.build(**to_engine_dict(eng))) != restart_hash(g.observation.config)
+        assert not ActivationProfile.of(eng["profileBatchedTokens"], eng["maxNumSeqs"]).exceeded(
+            eng["maxNumBatchedTokens"], eng["maxNumSeqs"])  # the new pods' profile covers the new step
 
 
 def test_tick_says_a_spec_raise_past_the_profile_needs_a_restart():

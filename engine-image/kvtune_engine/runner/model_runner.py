@@ -117,7 +117,7 @@ class ModelRunner:
         activations = None
         self.activation_profile: ActivationProfile | None = None
         if cuda or device_memory_gib is not None:
-            self.activation_profile = ActivationProfile.of(config.max_num_batched_tokens, config.max_num_seqs)
+            self.activation_profile = ActivationProfile.of(config.profiled_batched_tokens, config.max_num_seqs)
         if cuda:
             total = torch.cuda.get_device_properties(self.device).total_memory
             activations = self._profile_activations(weights)
@@ -168,13 +168,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ memory profile
     @torch.inference_mode()
     def _profile_activations(self, weights: int) -> int:
-        """Peak bytes beyond the weights during a forward of max_num_batched_tokens tokens (prefill
+        """Peak bytes beyond the weights during a forward of the profiled budget's tokens (prefill
         chunks of at most max_model_len) plus sampling of the profile's rows, including memory that
         torch does not allocate itself (CUDA context, library workspaces)."""
         c, dev = self.config, self.device
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(dev)
-        n = c.max_num_batched_tokens
+        n = c.profiled_batched_tokens
         chunks, start = [], 0
         while start < n:
             m = min(c.max_model_len, n - start)

@@ -95,7 +95,7 @@ class Profile(BaseModel):
             device_total_bytes=self.device_total_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,
             weights_bytes=self.weights_bytes,
-            activation_peak_bytes=self.activation_peak_bytes(config.max_num_batched_tokens),
+            activation_peak_bytes=self.activation_peak_bytes(config.profiled_batched_tokens),
             block_size=config.block_size, kv_bytes_per_token=self.kv_bytes_per_token,
             swap_space_gib=config.swap_space, kv_cache_memory_gib=config.kv_cache_memory)
 

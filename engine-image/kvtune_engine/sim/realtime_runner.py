@@ -78,7 +78,7 @@ class RealtimeRunner:
         self.clock, self.sleep = clock, sleep
         self.start_s = clock()
         # the step shape the profile's activation peak was sized for, as the real runner profiles it
-        self.activation_profile = ActivationProfile.of(config.max_num_batched_tokens, config.max_num_seqs)
+        self.activation_profile = ActivationProfile.of(config.profiled_batched_tokens, config.max_num_seqs)
 
     def execute(self, step: Step) -> StepOutput:
         t0 = self.clock()

@@ -174,7 +174,7 @@ def _summary(acc: _Acc, sched: Scheduler, size, config: EngineConfig, profile: P
         dominant = "none"
     for v in (acc.ttft, acc.tpot, acc.queue, acc.e2e):
         v.sort()
-    act = profile.activation_peak_bytes(config.max_num_batched_tokens)
+    act = profile.activation_peak_bytes(config.profiled_batched_tokens)
     mem = {"device_total": profile.device_total_bytes, "weights": profile.weights_bytes,
            "activations_peak": act, "kv_cache": size.kv_cache_bytes,
            "unused": max(0, profile.device_total_bytes - profile.weights_bytes - act - size.kv_cache_bytes),

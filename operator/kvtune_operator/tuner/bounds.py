@@ -36,7 +36,9 @@ class Range:
         return min(self.hi, max(self.lo, v))
 
     def __contains__(self, v: object) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and self.lo - 1e-9 <= v <= self.hi + 1e-9
+        """None is an optional knob left unset (it follows another: ``profile_batched_tokens`` the
+        budget): inside every range."""
+        return v is None or isinstance(v, (int, float)) and not isinstance(v, bool) and self.lo - 1e-9 <= v <= self.hi + 1e-9
 
     def within(self, other: "Range") -> "Range":
         """The part of this range inside ``other``."""
@@ -150,7 +152,7 @@ class _Bounds:
             k = fields.get(knob_name(key, self.TABLE))
             if k is not None:
                 v = getattr(cfg, k.name)
-                ch[k.name] = (v,) if k.choices else Range(float(v), float(v))
+                ch[k.name] = None if v is None else (v,) if k.choices else Range(float(v), float(v))
         return _replace(self, **ch)  # type: ignore[type-var]
 
     def around(self, cfg: EngineConfig) -> Any:

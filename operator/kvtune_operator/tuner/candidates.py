@@ -261,8 +261,9 @@ MOVERS: tuple[tuple[frozenset[str], Callable[[Moves], Iterable[Move]]], ...] = (
     (frozenset({"gpu_memory_utilization"}), move_gpu_memory),
     (frozenset({"swap_space"}), move_swap_space),
 )
-#: never moved: the watermark is decode headroom, not a target
-NOT_MOVED = frozenset({"watermark"})
+#: never moved: the watermark is decode headroom, not a target; the profiled budget follows the
+#: budget (``loop.runnable`` sets it on a raise past the engine's start-up profile), never alone
+NOT_MOVED = frozenset({"watermark", "profile_batched_tokens"})
 
 
 def move_other(m: Moves) -> Iterable[Move]:

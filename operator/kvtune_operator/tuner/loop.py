@@ -156,7 +156,7 @@ class Tuner:
             improving = sorted((p for p in preds if _score(p[1], s.objectives).beats(base_score, 0.0)
                                 and not st.is_bad(p[0], now)),
                                key=lambda p: _key(p[1], s.objectives), reverse=True)
-            combos = [c for c in combine(cfg, [c for c, _ in improving], s.bounds) if engine_takes(obs, c)]
+            combos = runnable(obs, combine(cfg, [c for c, _ in improving], s.bounds), s.bounds)
             preds += pred.predict_many(tr, combos)
         decision = choose(cfg, baseline, preds, s.objectives, state=st, now=now)
         if s.combine and decision.action == "change" and decision.restart:
@@ -214,7 +214,7 @@ class Tuner:
         cands = propose(obs, s.bounds, safety=s.safety, cause=diag.cause, slo_tpot_s=s.objectives.slo_tpot_s,
                         slo_ttft_s=s.objectives.slo_ttft_s,
                         suggestion=diag.suggestion, thresholds=s.thresholds)
-        cands.configs = [c for c in cands.configs if engine_takes(obs, c)]
+        cands.configs = runnable(obs, cands.configs, s.bounds)
         return cands
 
 
@@ -226,6 +226,22 @@ def engine_takes(obs: Observation, cfg: EngineConfig) -> bool:
     if p is None or any(getattr(obs.config, k) != getattr(cfg, k) for k in RESTART_KNOBS):
         return True
     return not p.exceeded(cfg.max_num_batched_tokens, cfg.max_num_seqs)
+
+
+def runnable(obs: Observation, cfgs: Sequence[EngineConfig], bounds: Any) -> list[EngineConfig]:
+    """``cfgs`` as the engine can run them: a live raise past the engine's start-up profile becomes
+    a restart that profiles the new step (``profile_batched_tokens`` at the new budget: the long
+    prompt's budget raise is worth a rollout); dropped where that knob is frozen or bounded below it."""
+    out = []
+    for c in cfgs:
+        if not engine_takes(obs, c):
+            c = c.with_changes(profile_batched_tokens=max(c.max_num_batched_tokens, obs.config.profiled_batched_tokens))
+            if c.profile_batched_tokens == obs.config.profile_batched_tokens \
+                    or bounds.profile_batched_tokens is None or c.profile_batched_tokens not in bounds.profile_batched_tokens:
+                continue
+        if c not in out:
+            out.append(c)
+    return out
 
 
 def tune_round(settings: TunerSettings, state: TunerState, obs: Observation, trace: Sequence[Any], now: float, *,

@@ -4,7 +4,7 @@ Measured, not assumed: bytes by kind come from the observation, so a candidate n
 device memory than the measured peak non-KV memory plus a safety margin leaves:
 
     usable(u)        = u * device_total
-    kv_bytes(u, T)   = usable(u) - weights - activations_peak(T)        (T = max_num_batched_tokens)
+    kv_bytes(u, T)   = usable(u) - weights - activations_peak(T)        (T = the profiled budget)
     u_max            = (device_total - overshoot - margin) / device_total
     margin           = max(margin_min_bytes, margin_frac * measured non-KV)  (allocator slack, CUDA context)
     overshoot        = max(0, measured weights + activations peak + KV - u_now * device_total)
@@ -50,7 +50,7 @@ class MemoryPicture:
             return None  # (a fixed kv_cache_memory: gpu_memory_utilization does not size the cache)
         return cls(device_total=total, weights=float(m.get("weights", 0) or 0),
                    activations_peak=float(m.get("activations_peak", 0) or 0), kv_cache=kv,
-                   tokens_budget=obs.config.max_num_batched_tokens,
+                   tokens_budget=obs.config.profiled_batched_tokens,
                    utilization=obs.config.gpu_memory_utilization,
                    kv_bytes_per_token=kv / (obs.num_blocks * obs.config.block_size))
 
@@ -58,7 +58,7 @@ class MemoryPicture:
         return self.activations_peak * tokens_budget / max(1, self.tokens_budget)
 
     def kv_bytes(self, cfg: EngineConfig) -> float:
-        return cfg.gpu_memory_utilization * self.device_total - self.weights - self.activations(cfg.max_num_batched_tokens)
+        return cfg.gpu_memory_utilization * self.device_total - self.weights - self.activations(cfg.profiled_batched_tokens)
 
     def num_blocks(self, cfg: EngineConfig) -> int:
         return max(0, int(self.kv_bytes(cfg) // (self.kv_bytes_per_token * cfg.block_size)))

@@ -82,10 +82,10 @@ def profile_for(obs: Observation | None, base: Profile | None = None, fit: StepC
                 upd["weights_bytes"] = int(m["weights"])
             if "activations_peak" in m:
                 per_tok = (base.activation_bytes_per_batched_token if base is not None
-                           else float(m["activations_peak"]) / max(1, obs.config.max_num_batched_tokens))
+                           else float(m["activations_peak"]) / max(1, obs.config.profiled_batched_tokens))
                 upd["activation_bytes_per_batched_token"] = per_tok
                 upd["activation_base_bytes"] = max(
-                    0, int(float(m["activations_peak"]) - per_tok * obs.config.max_num_batched_tokens))
+                    0, int(float(m["activations_peak"]) - per_tok * obs.config.profiled_batched_tokens))
         if base is None:
             if kv <= 0 or obs.num_blocks <= 0:
                 raise ValueError("no profile: the window has no KV memory figures and no named profile was given")
