@@ -95,7 +95,7 @@ from kvtune_engine.quantile import bucket_counts, bucket_quantile  # noqa: E402
 from kvtune_engine.sim.profile import Profile  # noqa: E402
 from kvtune_engine.sim.simulator import simulate  # noqa: E402
 from kvtune_engine.sim.trace import TraceRequest  # noqa: E402
-from kvtune_engine.sim.vllm_policy import QUEUE_CLOCK, vllm_v1_config  # noqa: E402
+from kvtune_engine.sim.vllm_policy import ADMISSION, QUEUE_CLOCK, vllm_v1_config  # noqa: E402
 from kvtune_operator.tuner.fit import fit_step_cost, speed_timeline  # noqa: E402
 from kvtune_operator.tuner.observation import MetricFigures  # noqa: E402
 from kvtune_operator.tuner.predict import profile_for  # noqa: E402
@@ -326,14 +326,16 @@ def evaluate(raw: dict) -> dict:
     cfg = vllm_v1_config(reading.observation.config)
     reqs = [TraceRequest(r["arrival_s"], r["prompt_tokens"], r["output_tokens"], r.get("prefix_group"),
                          int(r.get("prefix_tokens", 0))) for r in trace]
-    sim = simulate(reqs, cfg, profile, per_request=True, queue_clock=QUEUE_CLOCK)
+    sim = simulate(reqs, cfg, profile, per_request=True, queue_clock=QUEUE_CLOCK, admission=ADMISSION)
+    # admitting by the next chunk's blocks (our engine's rule, the simulator's before vLLM's was read)
+    by_chunk = simulate(reqs, cfg, profile, queue_clock=QUEUE_CLOCK, admission="chunk")
     rows = sim["per_request"]
     sim_q = [r["queue_s"] for r in rows]
     sim_q50, sim_q99 = bucketed_quantile(sim_q, bounds, 0.5), bucketed_quantile(sim_q, bounds, 0.99)
     sim_qmean = sum(sim_q) / len(sim_q)
     # the same on a steady machine (no speed timeline), to show what the timeline changes
     steady = simulate(reqs, cfg, profile.model_copy(update={"speed": None}), per_request=True,
-                      queue_clock=QUEUE_CLOCK)
+                      queue_clock=QUEUE_CLOCK, admission=ADMISSION)
     steady_q = [r["queue_s"] for r in steady["per_request"]]
     real_ttft, real_tpot = hist_mean(window, TTFT), hist_mean(window, TPOT)
     sim_ttft, sim_tpot, sim_e2e = latency_means(rows)
@@ -362,6 +364,8 @@ def evaluate(raw: dict) -> dict:
                    "ttft_mean_s": st_ttft, "tpot_mean_s": st_tpot, "e2e_mean_s": st_e2e},
         "preemptions": {"vllm": reading.observation.preemptions_recompute,
                         "sim": sim["preemptions"]["recompute"] + sim["preemptions"]["swap"]},
+        "chunk_admission": {"throughput_tok_s": by_chunk["output_tokens_per_s"],
+                            "preemptions": by_chunk["preemptions"]["recompute"]},
         "replay_s": raw.get("replay_s"),
     }
 
@@ -389,6 +393,10 @@ def report(out: dict) -> None:
     if h["vllm"] is not None:
         print(f"prefix hit rate    {h['vllm']:>12.3f}{h['sim']:>12.3f}")
     print(f"preemptions        {out['preemptions']['vllm']:>12}{out['preemptions']['sim']:>12}")
+    if "chunk_admission" in out:  # the simulator admitting by the next chunk's blocks, not the whole sequence's
+        c = out["chunk_admission"]
+        print(f"by chunk admission: throughput {100 * err(c['throughput_tok_s'], out['throughput_tok_s']['vllm']):+.1f}%, "
+              f"{c['preemptions']} preemptions")
 
 
 def main() -> int:

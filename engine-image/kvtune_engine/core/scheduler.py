@@ -13,6 +13,10 @@ One step (`schedule`), FCFS throughout:
     queue head is the step's waiting cause (see `stats.CAUSES`).
 No admission happens in a step that preempted. The watermark reserve only applies while something
 is running (it keeps decode headroom), so a request that fits the cache always gets in eventually.
+``admission``: a waiting request gets in when its next chunk's blocks are allocatable ("chunk", ours),
+or only when its whole sequence's are, though it takes just the chunk's ("whole": vLLM's default
+since its scheduler_reserve_full_isl, which keeps a long or resumed request from being admitted into
+blocks it will need back from its neighbours a step later).
 """
 from __future__ import annotations
 
@@ -26,6 +30,10 @@ from .stats import SchedulerStats
 
 RUNNING, WAITING, SWAPPED, FINISHED = (RequestStatus.RUNNING, RequestStatus.WAITING,
                                        RequestStatus.SWAPPED, RequestStatus.FINISHED)
+
+
+#: the admission rules (see the module docstring)
+ADMISSIONS = ("chunk", "whole")
 
 
 class RequestRejected(ValueError):
@@ -58,7 +66,11 @@ class _Seq(ScheduledSeq):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_blocks: int, num_swap_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, num_swap_blocks: int, *,
+                 admission: str = "chunk") -> None:
+        if admission not in ADMISSIONS:
+            raise ValueError(f"admission is one of {ADMISSIONS}, not {admission!r}")
+        self.whole = admission == "whole"
         self.num_blocks = num_blocks
         self.num_swap_blocks = num_swap_blocks
         self.block_size = config.block_size
@@ -288,7 +300,11 @@ class Scheduler:
             new_blocks = max(0, (computed + n + bs - 1) // bs - held)
             take = (held + new_blocks) if swapped else kv.blocks_to_take(hits, new_blocks)
             avail = kv.num_allocatable
-            if take > avail:
+            if self.whole and not swapped and n < total - computed:  # the gate: the whole sequence
+                gate = kv.blocks_to_take(hits, -(-total // bs) - held)
+            else:
+                gate = take
+            if gate > avail:
                 return "kv_blocks", budget, ctx
             if run and take > avail - self.reserve_blocks:
                 return "watermark", budget, ctx

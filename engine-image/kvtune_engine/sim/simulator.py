@@ -86,17 +86,19 @@ class _Acc:
 
 
 def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
-             slo: SLO | None = None, *, per_request: bool = False, queue_clock: str = "arrival") -> dict:
+             slo: SLO | None = None, *, per_request: bool = False, queue_clock: str = "arrival",
+             admission: str = "chunk") -> dict:
     """Replay `trace` under `config` on `profile`; the summary dict of `kvtune sim --json`.
 
     `per_request`: also a `per_request` list (finish order) of each started request's `queue_s`,
     `ttft_s`, `e2e_s`, `output_tokens` (bench/sim_fidelity.py buckets them as the engine would).
-    `queue_clock`: where queue time starts, "arrival" (ours) or "intake" (vLLM's; module docstring)."""
+    `queue_clock`: where queue time starts, "arrival" (ours) or "intake" (vLLM's; module docstring).
+    `admission`: the scheduler's admission rule, "chunk" (ours) or "whole" (vLLM's; core/scheduler.py)."""
     if not trace:
         raise ValueError("empty trace")
     if queue_clock not in ("arrival", "intake"):
         raise ValueError(f"queue_clock is 'arrival' or 'intake', not {queue_clock!r}")
-    eng = SimEngine(config, profile)
+    eng = SimEngine(config, profile, admission=admission)
     size, sched = eng.size, eng.sched
     intake: dict[str, float] | None = {} if queue_clock == "intake" else None
     acc = _Acc(slo or SLO(), per_request, intake)

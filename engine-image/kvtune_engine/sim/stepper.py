@@ -52,10 +52,10 @@ def charge(runner: SimulatedRunner, speed: SpeedTimeline | None, batch: Batch | 
 class SimEngine:
     """A Scheduler sized by the profile for ``config``, charged the profile's step costs."""
 
-    def __init__(self, config: EngineConfig, profile: Profile) -> None:
+    def __init__(self, config: EngineConfig, profile: Profile, *, admission: str = "chunk") -> None:
         self.config, self.profile = config, profile
         self.size = size = profile.kv_cache_size(config)
-        self.sched = Scheduler(config, size.num_blocks, size.num_swap_blocks)
+        self.sched = Scheduler(config, size.num_blocks, size.num_swap_blocks, admission=admission)
         self.runner = SimulatedRunner(profile, size.block_bytes)
         self._groups: dict[str, list[int]] = {}
         self._hash_tokens: dict[int, int] = {}   # hash id -> its block's first token

@@ -18,7 +18,7 @@ from kvtune_engine.sim.profile import Profile, SpeedTimeline
 from kvtune_engine.quantile import percentile
 from kvtune_engine.sim.simulator import SLO, simulate
 from kvtune_engine.sim.trace import TraceRequest, parse_request
-from kvtune_engine.sim.vllm_policy import QUEUE_CLOCK, vllm_v1_config
+from kvtune_engine.sim.vllm_policy import ADMISSION, QUEUE_CLOCK, vllm_v1_config
 
 from .fit import StepCostFit, fit_step_cost, speed_timeline
 from .observation import GiB, Observation, StepSample
@@ -146,7 +146,7 @@ class Predictor:
     def _simulate(self, trace: list[TraceRequest], cfg: EngineConfig, per_request: bool = False) -> dict:
         if self.vllm:
             return simulate(trace, vllm_v1_config(cfg), self.profile, self.slo, per_request=per_request,
-                            queue_clock=QUEUE_CLOCK)
+                            queue_clock=QUEUE_CLOCK, admission=ADMISSION)
         return simulate(trace, cfg, self.profile, self.slo, per_request=per_request)
 
     def predict(self, trace: Sequence[TraceRequest], cfg: EngineConfig) -> Mapping[str, Any] | None:
