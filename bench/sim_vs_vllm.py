@@ -64,14 +64,17 @@ mean TTFT / mean TPOT / client mean e2e:
   sides): +1.1% / +6.5% / +1.9% / +1.5% (interval means alone: +2.7% / -20.8% / -3.9% / -4.6%);
 * preemption at 1.0 of the warm-up's rate (40 requests at 0.71/s; ~4 running, no preemption on
   either side): -0.1% / +5.1% / -0.1% / -0.6% (interval means alone: TTFT +100%);
-* preemption at 3.0 of it (the default now: 560 requests at 14/s, KV usage 92%): vLLM preempted 307
-  times, the simulator 1010: -31.6% / +58.1% / +41.2% / +57.3% (interval means alone, 972
-  preemptions: -25.3% / +45.6% / +29.8% / +44.8%). NOT within 10%, cause not found: the
-  simulator's recompute preemptions are 3.3x vLLM's on the same 39 usable blocks (vLLM's 40 less
-  its null block), so it recomputes more and serves less; the victim (the newest running),
-  no admission in a step that preempted and the chunk-sized admission are the same rules on both
-  sides, so the difference is elsewhere in V1's scheduler (``vllm/v1/core/sched/scheduler.py``:
-  waiting queues for requests holding blocks, deferred requests), not yet read far enough.
+* preemption at 3.0 of it (the default now), before vLLM's admission rule was read (560 requests
+  at 14/s, KV usage 92%): vLLM preempted 307 times, the simulator 1010: -31.6% / +58.1% / +41.2% /
+  +57.3%. The cause: vLLM 0.32 admits a waiting request only when blocks for its whole sequence are
+  free (``scheduler_reserve_full_isl``, on by default; it still allocates just the chunk's), where
+  the simulator admitted it into its next chunk's blocks, so a resumed or long request got in and
+  took its next blocks back from its neighbours a step later (``vllm_policy.ADMISSION``);
+* preemption at 3.0, with that rule (1091 requests at 27.3/s, another helper's tests running
+  beside it; ``--keep`` run): vLLM 581 preemptions, the simulator 597: -8.3% / +12.5% / +9.1% /
+  +12.4% (the old rule on the same run: throughput -26.7%, 1982 preemptions). TTFT is still just
+  over 10%: both queues are minutes long at this rate (mean TTFT 60 s), and the simulated queue's
+  tail (p99 +93%) is the last arrivals waiting longer.
 """
 from __future__ import annotations
 
