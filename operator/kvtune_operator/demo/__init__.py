@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -30,11 +32,17 @@ def ensure_model(out: Path) -> Path:
               help="Multiply each phase's request rate by this  [default: this machine's speed, measured first]")
 @click.option("--rounds", type=click.IntRange(min=2), default=3, show_default=True,
               help="Most tuning rounds per phase.")
-def demo(out: Path, window_s: float, load_scale: float | None, rounds: int) -> None:
+@click.option("--fleet", "fleet_n", type=int, default=None, metavar="N",
+              help="Instead: N simulated GPU engines (A100, H200 profiles), each mis-tuned its own way, tuned "
+                   "side by side (1 to 32; no model, little CPU); one table, fleet.png and fleet.json in --out.")
+def demo(out: Path, window_s: float, load_scale: float | None, rounds: int, fleet_n: int | None) -> None:
     """Watch the tuner fix a mis-tuned engine: the real engine on a tiny model on CPU, a load from a
     trace, a live view of KV usage, queue and waiting cause, then a before/after table and a PNG."""
     from rich.console import Console
     from rich.live import Live
+
+    if fleet_n is not None:
+        return fleet_demo(fleet_n, out, window_s, rounds)
 
     from .report import write_report
     from .session import Demo
@@ -69,3 +77,48 @@ def demo(out: Path, window_s: float, load_scale: float | None, rounds: int) -> N
         "events": [asdict(e) for e in d.state.events], "windows": [asdict(w) for w in d.state.windows],
     }, indent=2))
     console.print(f"report: {png}   figures: {out / 'demo.json'}   engine log: {out / 'engine.log'}")
+
+
+def fleet_demo(n: int, out: Path, window_s: float, rounds: int) -> None:
+    """`kvtune demo --fleet N` (fleet.py): progress lines, then one table, one PNG, one JSON."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .fleet import fleet, run_fleet, summary, write_fleet_report
+
+    console = Console() if Console().is_terminal else Console(width=160)
+    try:
+        demos = fleet(n, out, window_s=window_s, rounds=rounds)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--fleet") from None
+    lock, t_seen = threading.Lock(), {d.name: 0 for d in demos}
+
+    def progress(d: Any) -> None:
+        with lock:
+            for e in d.state.events[t_seen[d.name]:]:
+                console.print(f"{e.t:6.1f}s  {d.name:<16} {e.kind:<9} {e.text}")
+            t_seen[d.name] = len(d.state.events)
+
+    for d in demos:
+        d.on_update = (lambda d=d: progress(d))
+    console.print(f"[bold]kvtune demo --fleet {n}[/bold]: {n} simulated engines, {window_s:.0f}s windows")
+    errors = run_fleet(demos)
+    rows = [summary(d) for d in demos]
+    t = Table(title=f"{n} engines, tuned side by side")
+    for col in ("engine", "profile", "symptom", "start", "tuned", "goodput req/s", "decisions", "restarts"):
+        t.add_column(col)
+    for r in rows:
+        before, after = r["goodput_before"], r["goodput_after"]
+        good = f"{before:.2f} -> {after:.2f}" if before is not None and after is not None else "-"
+        t.add_row(r["name"], r["profile"], r["symptom"], _kv(r["start"]), _kv(r["final"]), good,
+                  ", ".join(x["kind"] for x in r["decisions"]) or errors.get(r["name"], "none"), str(r["restarts"]))
+    console.print(t)
+    png = write_fleet_report(rows, out / "fleet.png")
+    (out / "fleet.json").write_text(json.dumps({"engines": rows, "errors": errors}, indent=2))
+    console.print(f"report: {png}   figures: {out / 'fleet.json'}   engine logs: {out}/*.log")
+    if errors:
+        raise click.ClickException("engines failed: " + "; ".join(f"{k}: {v}" for k, v in errors.items()))
+
+
+def _kv(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in values.items())

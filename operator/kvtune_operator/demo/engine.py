@@ -64,16 +64,22 @@ def flag_args(flags: dict[str, Any]) -> list[str]:
 
 
 class EngineProcess:
-    def __init__(self, model_dir: Path, flags: dict[str, Any], *, device_memory_gib: float, log_path: Path):
+    """``kvtune serve`` as a child process: the real engine on a model on CPU standing in for a device
+    of ``device_memory_gib``, or (``simulate``: a profile name) the simulated engine of that profile."""
+
+    def __init__(self, model_dir: Path | None, flags: dict[str, Any], *, device_memory_gib: float, log_path: Path,
+                 simulate: str | None = None):
         self.model_dir, self.flags, self.device_memory_gib, self.log_path = model_dir, dict(flags), device_memory_gib, log_path
+        self.simulate = simulate
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 120.0) -> None:
-        argv = [sys.executable, "-c", "from kvtune_operator.cli import main; main()", "serve", "--model", str(self.model_dir),
-                "--device", "cpu", "--device-memory", str(self.device_memory_gib), "--host", "127.0.0.1",
-                "--port", str(self.port), "--log-level", "warning", *flag_args(self.flags)]
+        what = (["--simulate", self.simulate] if self.simulate else
+                ["--model", str(self.model_dir), "--device", "cpu", "--device-memory", str(self.device_memory_gib)])
+        argv = [sys.executable, "-c", "from kvtune_operator.cli import main; main()", "serve", *what,
+                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *flag_args(self.flags)]
         self.log = open(self.log_path, "ab")
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env,

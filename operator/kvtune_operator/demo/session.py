@@ -32,6 +32,8 @@ from .load import LoadGenerator, measure_tokens_per_s
 from .monitor import Monitor
 
 DEVICE_MEMORY_GIB = 0.25
+#: the simulated engine's byte tokenizer: token ids below 256
+SIMULATED_VOCAB = 256
 MODEL_SHAPE = dict(arch="llama", layers=4, hidden=256, heads=4, kv_heads=2, vocab=4096, intermediate=768)
 
 
@@ -48,6 +50,8 @@ class Phase:
     symptom: str
     flags: dict[str, Any]         # the mis-tuned start (EngineConfig fields)
     load: dict[str, Any]          # the workload (kvtune_engine.sim.scenarios.mix arguments)
+    profile: str | None = None    # a simulated engine of this profile (the fleet demo); None: the tiny model
+    tuner: TunerSettings | None = None  # bounds and objectives; None: ``settings()``
 
 
 # Block size 16 in both phases, as the demo's bounds hold it: the phases' figures (~50 blocks at 0.09) and the
@@ -103,15 +107,24 @@ def settings() -> TunerSettings:
 
 
 class Demo:
-    def __init__(self, out: Path, model_dir: Path, *, window_s: float, load_scale: float | None, rounds: int,
-                 on_update: Callable[[], None] = lambda: None):
+    """One engine through ``phases`` (the single demo's two; one of a fleet demo's engines)."""
+
+    def __init__(self, out: Path, model_dir: Path | None, *, window_s: float, load_scale: float | None, rounds: int,
+                 on_update: Callable[[], None] = lambda: None, phases: list[Phase] = PHASES, name: str = "engine"):
         self.out, self.model_dir, self.window_s, self.load_scale, self.rounds = out, model_dir, window_s, load_scale, rounds
-        self.on_update = on_update
+        self.on_update, self.phases, self.name = on_update, phases, name
+        self.profile: str | None = None   # the running phase's simulated profile
+        self.pids: list[int] = []         # every engine process started (none may outlive the demo)
         self.t0 = time.monotonic()
         self.state = DemoState()
         self.engine: EngineProcess | None = None
         self.monitor = Monitor(lambda: self.engine.url if self.engine else "http://127.0.0.1:9", self.t0)
         self.load: LoadGenerator | None = None
+
+    @property
+    def served_name(self) -> str:
+        """The model name requests carry: the tiny model's directory, or the simulated engine's profile."""
+        return self.profile if self.profile else self.model_dir.name if self.model_dir else self.name
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -122,8 +135,9 @@ class Demo:
         self.on_update()
         flags = {k: v for k, v in cfg.model_dump().items() if v is not None}
         eng = EngineProcess(self.model_dir, flags, device_memory_gib=DEVICE_MEMORY_GIB,
-                            log_path=self.out / "engine.log")
+                            log_path=self.out / f"{self.name}.log", simulate=self.profile)
         eng.start()
+        self.pids.append(eng.proc.pid)
         old, self.engine = self.engine, eng
         if old is not None:
             old.stop()
@@ -164,7 +178,7 @@ class Demo:
         start = max(0.0, state.uptime_s - self.window_s)
         wt = engine.trace(since_s=max(0.0, start - self.window_s), unfinished=True).split(start)
         steps = engine.steps(limit=4000).steps
-        s = settings().objectives
+        s = self.settings.objectives
         obs = Observation.from_metrics(self.monitor.window(since), state=state.raw, trace=wt.finished,
                                        window_s=self.now() - since, slo_ttft_s=s.slo_ttft_s, slo_tpot_s=s.slo_tpot_s)
         return obs.with_engine_steps(steps), wt.trace, wt.lead, start
@@ -188,16 +202,18 @@ class Demo:
     # ---------------------------------------------------------------- the loop
     def run_phase(self, phase: Phase) -> None:
         self.state.phase = phase.name
+        self.profile, self.settings = phase.profile, phase.tuner or settings()
         cfg = EngineConfig.build(**phase.flags)
         if self.load is not None:
             self.load.stop()
         self.start_engine(cfg)
         args = {**phase.load, "rate": phase.load["rate"] * self.load_scale}
-        trace = mix(requests=400, prompt_sigma=0.5, output_sigma=0.5, max_tokens=512, seed=7, **args)
-        self.load = LoadGenerator(lambda: self.engine.url, trace, vocab=MODEL_SHAPE["vocab"], model=self.model_dir.name)
+        trace = mix(**{"requests": 400, "prompt_sigma": 0.5, "output_sigma": 0.5, "max_tokens": 512, "seed": 7, **args})
+        self.load = LoadGenerator(lambda: self.engine.url, trace, vocab=SIMULATED_VOCAB if self.profile else
+                                  MODEL_SHAPE["vocab"], model=self.served_name)
         self.load.start()
         self.event(phase.name, "Note", f"start: {phase.symptom}")
-        tuner = Tuner(settings())
+        tuner = Tuner(self.settings)
         first = True
         for _ in range(self.rounds):
             since = self.wait_window()
@@ -244,7 +260,7 @@ class Demo:
         try:
             if self.load_scale is None:
                 self.load_scale = self.calibrate()
-            for phase in PHASES:
+            for phase in self.phases:
                 self.run_phase(phase)
         finally:
             if self.load is not None:
