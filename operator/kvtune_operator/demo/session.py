@@ -115,6 +115,7 @@ class Demo:
         self.on_update, self.phases, self.name = on_update, phases, name
         self.profile: str | None = None   # the running phase's simulated profile
         self.pids: list[int] = []         # every engine process started (none may outlive the demo)
+        self.settings = settings()        # the running phase's bounds and objectives
         self.t0 = time.monotonic()
         self.state = DemoState()
         self.engine: EngineProcess | None = None
