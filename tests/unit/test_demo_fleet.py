@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -51,3 +52,38 @@ def test_fleet_size_outside_its_range_is_refused_with_the_range(tmp_path):
     res = subprocess.run([sys.executable, "-c", "from kvtune_operator.cli import main; main()", "demo",
                           "--fleet", "0", "--out", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "1 to 32" in res.stderr, res.stderr
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(") ", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def test_ctrl_c_leaves_no_engine_behind(tmp_path):
+    """Ctrl-C while the engines serve: the demo exits and every engine it started is gone (each runs
+    in a session of its own, so the terminal's SIGINT never reaches them: the demo must stop them)."""
+    proc = subprocess.Popen([sys.executable, "-c", "from kvtune_operator.cli import main; main()", "demo",
+                             "--fleet", "2", "--window", "30", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        for line in proc.stdout:  # both engines up and under load: each says "start: <symptom>"
+            seen.append(line)
+            if sum("start:" in x for x in seen) == 2:
+                break
+        engines = _children(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert sum("start:" in x for x in seen) == 2, "".join(seen)
+    assert len(engines) == 2 and not [p for p in engines if _alive(p)], engines

@@ -94,11 +94,10 @@ def run_fleet(demos: list[Demo]) -> dict[str, str]:
             while t.is_alive():
                 t.join(0.5)
     finally:
-        for d in demos:  # normally each demo stopped its own; after Ctrl-C these are the only stop
-            if d.load is not None:
-                d.load.stop()
-            if d.engine is not None:
-                d.engine.stop()
+        for d in demos:  # normally each demo stopped its own; after Ctrl-C this is the only stop
+            d.stop()
+        for t in threads:  # and each thread ends (an engine it was starting is stopped there)
+            t.join(30)
     return errors
 
 

@@ -14,6 +14,7 @@ slow machine cannot serve even once tuned leaves the queue full after the fix, w
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,8 @@ class Demo:
         self.profile: str | None = None   # the running phase's simulated profile
         self.pids: list[int] = []         # every engine process started (none may outlive the demo)
         self.settings = settings()        # the running phase's bounds and objectives
+        self._stopped = threading.Event()  # ``stop``: no engine may start after it
+        self._starting: EngineProcess | None = None  # an engine on its way up (``stop`` stops it too)
         self.t0 = time.monotonic()
         self.state = DemoState()
         self.engine: EngineProcess | None = None
@@ -137,8 +140,15 @@ class Demo:
         flags = {k: v for k, v in cfg.model_dump().items() if v is not None}
         eng = EngineProcess(self.model_dir, flags, device_memory_gib=DEVICE_MEMORY_GIB,
                             log_path=self.out / f"{self.name}.log", simulate=self.profile)
-        eng.start()
+        self._starting = eng
+        try:
+            eng.start()
+        finally:
+            self._starting = None
         self.pids.append(eng.proc.pid)
+        if self._stopped.is_set():  # stopped from another thread while this one started: never left behind
+            eng.stop()
+            raise RuntimeError("the demo was stopped")
         old, self.engine = self.engine, eng
         if old is not None:
             old.stop()
@@ -187,6 +197,8 @@ class Demo:
     def wait_window(self) -> float:
         start = self.now()
         while self.now() - start < self.window_s:
+            if self._stopped.is_set():
+                raise RuntimeError("the demo was stopped")
             self.state.status = f"observing a {self.window_s:.0f}s window ({self.now() - start:.0f}s)"
             self.on_update()
             time.sleep(0.5)
@@ -264,11 +276,18 @@ class Demo:
             for phase in self.phases:
                 self.run_phase(phase)
         finally:
-            if self.load is not None:
-                self.load.stop()
+            self.stop()
             self.monitor.stop()
-            if self.engine:
-                self.engine.stop()
+
+    def stop(self) -> None:
+        """Stop the load and the engine, and let no other engine start (callable from another thread:
+        the fleet demo's Ctrl-C)."""
+        self._stopped.set()
+        if self.load is not None:
+            self.load.stop()
+        for eng in (self._starting, self.engine):
+            if eng is not None:
+                eng.stop()
 
 
 def _flags(changes: dict[str, Any]) -> str:
