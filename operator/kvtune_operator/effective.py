@@ -30,6 +30,8 @@ from kvtune_operator.model import (
     to_engine_dict,
 )
 from kvtune_operator.tuner.candidates import Bounds, Range
+from kvtune_operator.tuner.decide import Objectives
+from kvtune_operator.tuner.loop import TunerSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,3 +179,17 @@ def tuned_status(spec: InferenceDeploymentSpec, current: EngineConfig, changes: 
         "baseline": {k: v for k, v in to_camel_dict(base.model_dump()).items() if v is not None
                      and KNOBS_BY_CAMEL.get(k) not in omit},
     }
+
+
+def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSettings:
+    """spec.autotune (bounds, objectives, cooldown) as the tuner's settings: the user's bounds inside
+    the tuner's search ranges, a frozen knob pinned to its baseline value."""
+    bounds = knob_bounds(spec).within(Bounds()).freeze(baseline_config(spec), frozen_knobs(spec) & set(TUNABLE_KNOBS))
+    o = spec.autotune.objectives if spec.autotune and spec.autotune.objectives else None
+    dur = lambda v: parse_duration(v) if v else None  # noqa: E731
+    objectives = Objectives(
+        slo_ttft_s=dur(o and o.ttft_p95), slo_tpot_s=dur(o and o.tpot_p95),
+        max_preemptions_per_min=o.max_preemptions_per_minute if o else None,
+        cooldown_s=plan.cooldown_s, bad_memory_s=max(3600.0, 4 * plan.cooldown_s),
+        live_knobs=frozenset() if spec.runtime == "vllm" else None)  # vLLM: every change is a restart
+    return TunerSettings(bounds=bounds, objectives=objectives, vllm=spec.runtime == "vllm")

@@ -870,6 +870,14 @@ WindowFigures = Annotated[dict[str, float], Field(
     description="Window figures (snake_case names, e.g. goodput_share, output_tokens_per_s).")]
 
 
+class CanaryRun(CRDModel):
+    """The one engine pod that runs a pending live change while its siblings keep status.engine."""
+
+    pod: str = Field(..., max_length=253, description="The canary pod (the change went to its admin API).")
+    controls: list[str] = Field(..., max_length=64, description="The untouched pods it is judged against.")
+    started_at: Timestamp = Field(..., description="When the canary began running the change (its window starts here).")
+
+
 class PendingChange(CRDModel):
     """The change being verified: enough to give it its verdict after an operator restart."""
 
@@ -885,6 +893,9 @@ class PendingChange(CRDModel):
                           "judges a whole window from here.")
     before_figures: WindowFigures = Field(default_factory=dict, description="Measured over the window before the change.")
     predicted_figures: WindowFigures = Field(default_factory=dict, description="Predicted for the new knobs.")
+    canary: CanaryRun | None = Field(
+        None, description="Judged as a canary: the pod that runs the change and its controls (two or more "
+                          "replicas, a live change); unset: judged before/after on every pod.")
 
 
 class RejectedCandidate(CRDModel):
@@ -902,7 +913,8 @@ class TuningStatus(CRDModel):
     mode: AutotuneMode | None = Field(None, description="Effective autotune mode (spec or operator default).")
     phase: str | None = Field(
         None, max_length=32, pattern=r"^[A-Z][A-Za-z]*$",
-        description="Off, Pending, Observing, Recommended, Applying, Verifying, Settled or RolledBack.")
+        description="Off, Pending, Observing, Recommended, Applying, Canary (one pod runs a change, judged against "
+                    "the others), Verifying, Settled or RolledBack.")
     message: str | None = Field(None, max_length=4096, description="What the tuner is waiting for or did last.")
     last_change: TuningDecision | None = Field(None, description="The latest decision.")
     last_restart_time: Timestamp | None = Field(None, description="When a restart-requiring change was last applied.")

@@ -59,6 +59,8 @@ class Outcome:
     #: nothing written, and why: another replica holds the object's shard, or the tuner's state
     #: changed since the round read it (several replicas only: `Reconciler.owns`)
     refused: str | None = None
+    #: the status (with the tuner's update) is on the object: written now, or already so
+    written: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,6 +404,7 @@ class Reconciler:
                     self.kube.patch_infd_status(namespace, name, status)
                 else:  # refused (409) when anything wrote the object since the read
                     self.kube.patch_infd_status(namespace, name, status, resource_version=precondition)
+            outcome.written = True
         except KubeError as e:
             outcome.retry = outcome.retry or f"status update failed: {e}"
             # the tuner's decision is not recorded, so it did not happen: its events would be repeated

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, MutableMapping
@@ -23,11 +24,9 @@ from pydantic import ValidationError
 
 from . import conditions as c
 from . import operator_metrics
-from .effective import (AutotunePlan, baseline_config, effective_engine, frozen_knobs, knob_bounds,
-                        resolve_autotune, tuned_status)
-from .model import (KNOBS_BY_CAMEL, TUNABLE_KNOBS, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, EngineKnobs,
-                    Figures, InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningDecision,
-                    TuningStatus, parse_duration, to_camel_dict)
+from .effective import AutotunePlan, baseline_config, effective_engine, resolve_autotune, tuned_status, tuner_settings
+from .model import (KNOBS_BY_CAMEL, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, EngineKnobs, Figures,
+                    InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningStatus)
 from .engine_client import EngineClient, EngineError
 from .prometheus import MAX_RESPONSE_BYTES, MetricsUnavailable, check_allowed, pod_host, pod_ips, read_window
 from .reconcile import EventSpec, engine_admin_key
@@ -36,12 +35,18 @@ from .rollout import rollout_failure, rollout_pending
 from .round_queue import Admission, RoundQueue
 from .scaling import autoscaler_of, replica_target, replicas_needed
 from .tuner.backlog import in_engine
-from .tuner.candidates import Bounds
-from .tuner.decide import Decision, Objectives, knob_changes, window_figures
-from .tuner.loop import Round, TunerSettings, measured_figures, tune_round
+from .tuner.canary import judge_canary
+from .tuner.decide import Decision, knob_changes, window_figures
+from .tuner.loop import Round, measured_figures, tune_round
 from .tuner.observation import WAITING_CAUSES, Observation
+from .tuning_canary import (CanaryTarget, canary_run, choose_target, gates_of, judged, lost, pod_figures, pod_instances,
+                            ready_pods, restarted, waiting)
 from .tuning_state import state_from_status, state_status
+from .tuning_record import (TickResult, camel, decision_entry, quoted_figures, quoted_prediction, record,
+                            replacing, stamp)
 from .tuning_vllm import gather_vllm
+
+log = logging.getLogger(__name__)
 
 #: shortest window worth judging (after a change, the window only counts what ran under it)
 MIN_WINDOW_S = 10.0
@@ -58,29 +63,8 @@ class Gathered:
     #: among them) and where this window starts, in the trace's clock: the verdict's replay runs them
     lead: list[dict[str, Any]] = field(default_factory=list)
     window_start: float | None = None
-
-
-@dataclass
-class TickResult:
-    status_update: dict[str, Any] = field(default_factory=dict)
-    conditions: list[c.Cond] = field(default_factory=list)
-    events: list[EventSpec] = field(default_factory=list)
-    applied: dict[str, Any] = field(default_factory=dict)  # knob -> value written to status.engine
-    scale: int | None = None  # replicas to set through the scale subresource (compute-bound, Apply mode)
-
-
-def tuner_settings(spec: InferenceDeploymentSpec, plan: AutotunePlan) -> TunerSettings:
-    """spec.autotune (bounds, objectives, cooldown) as the tuner's settings: the user's bounds inside
-    the tuner's search ranges, a frozen knob pinned to its baseline value."""
-    bounds = knob_bounds(spec).within(Bounds()).freeze(baseline_config(spec), frozen_knobs(spec) & set(TUNABLE_KNOBS))
-    o = spec.autotune.objectives if spec.autotune and spec.autotune.objectives else None
-    dur = lambda v: parse_duration(v) if v else None  # noqa: E731
-    objectives = Objectives(
-        slo_ttft_s=dur(o and o.ttft_p95), slo_tpot_s=dur(o and o.tpot_p95),
-        max_preemptions_per_min=o.max_preemptions_per_minute if o else None,
-        cooldown_s=plan.cooldown_s, bad_memory_s=max(3600.0, 4 * plan.cooldown_s),
-        live_knobs=frozenset() if spec.runtime == "vllm" else None)  # vLLM: every change is a restart
-    return TunerSettings(bounds=bounds, objectives=objectives, vllm=spec.runtime == "vllm")
+    #: pod name -> where Prometheus scrapes it (this deployment's own pods; runtime kvtune)
+    instances: dict[str, str] = field(default_factory=dict)
 
 
 def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploymentSpec,
@@ -142,17 +126,12 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
                                        slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s)
         # the step log gives the cost fit one sample per step (the histograms only their means)
         return Gathered(obs.with_engine_steps(steps.steps), wt.trace, window, lead=wt.lead,
-                        window_start=since)
+                        window_start=since, instances=pod_instances(w.series, pods))
     if young:
         raise MetricsUnavailable("WindowTooShort", f"the engine started less than {MIN_WINDOW_S:.0f}s ago "
                                  f"({'; '.join(young)}); waiting for metrics from it")
     raise MetricsUnavailable("EngineUnreachable", "cannot read the engine's state and trace: "
                              + ("; ".join(errors) or "Prometheus lists no engine instance"))
-
-
-def _stamp(t: float) -> dt.datetime:
-    """A status timestamp: whole seconds, UTC (what kubectl shows)."""
-    return dt.datetime.fromtimestamp(int(t), dt.timezone.utc)
 
 
 def diagnosis_status(rnd: Round, window_s: float, now: float, replicas: int = 1) -> dict[str, Any]:
@@ -183,65 +162,8 @@ def diagnosis_status(rnd: Round, window_s: float, now: float, replicas: int = 1)
         prefix_cache_hit_percent=None if o.prefix_cache_hit_rate is None else round(100 * o.prefix_cache_hit_rate, 1),
         replicas_needed=needed,
     )
-    return Diagnosis(cause=d.cause, message=message[:4096], figures=figures, observed_at=_stamp(now),
+    return Diagnosis(cause=d.cause, message=message[:4096], figures=figures, observed_at=stamp(now),
                      window=f"{int(window_s)}s").dump()
-
-
-def _figures(f: Mapping[str, float] | None) -> Figures | None:
-    """The window figures a decision quotes, by the field's names: request and token goodput, slo
-    attainment, ttft, tpot and e2el p95 in ms (where the window has them), throughput, p95 queue
-    time; a prediction's utilization and goodput range too."""
-    if not f:
-        return None
-    get = lambda k: round(float(f[k]), 3) if f.get(k) is not None else None  # noqa: E731
-    ms = lambda k: round(1000 * float(f[k]), 1) if f.get(k) is not None else None  # noqa: E731
-    low, high = get("goodput_low_requests_per_s"), get("goodput_high_requests_per_s")
-    out = Figures(goodput_requests_per_second=get("goodput_requests_per_s"),
-                  goodput_tokens_per_second=get("goodput_tokens_per_s"),
-                  slo_attainment=get("goodput_share"),
-                  ttft_p95_ms=ms("ttft_p95_s"), tpot_p95_ms=ms("tpot_p95_s"), e2el_p95_ms=ms("e2el_p95_s"),
-                  throughput_tokens_per_second=get("output_tokens_per_s"),
-                  queue_time_p95_seconds=get("queue_time_p95_s"),
-                  utilization=get("utilization"),
-                  goodput_range_requests_per_second=[low, high] if low is not None and high is not None else None)
-    return out if out.dump() else None
-
-
-def _predicted(f: Mapping[str, float] | None) -> Figures | None:
-    """A prediction's figures; None for a decision that had none (a kvtune.io/try candidate is not
-    simulated: its pending figures are all zero)."""
-    out = _figures(f)
-    if out is None or not (out.goodput_requests_per_second or out.throughput_tokens_per_second):
-        return None
-    return out
-
-
-def _decision(now: float, action: str, message: str, *, cause: str | None = None, restart: bool = False,
-              before: dict[str, Any] | None = None, after: dict[str, Any] | None = None,
-              predicted: Figures | None = None, measured: Figures | None = None,
-              prediction_error_ratio: float | None = None) -> dict[str, Any]:
-    """One entry of status.tuning.history (and lastChange), through the status model."""
-    return TuningDecision(time=_stamp(now), action=action, cause=cause, message=message, restart=restart,
-                          before=_camel(before) if before else None, after=_camel(after) if after else None,
-                          predicted=predicted, measured=measured,
-                          prediction_error_ratio=round(prediction_error_ratio, 4)
-                          if prediction_error_ratio is not None else None).dump()
-
-
-def _replacing(old: Any, new: Any) -> Any:
-    """``new`` as a JSON merge patch that replaces ``old``: keys of ``old`` that ``new`` lacks become
-    None (deleted), at every depth. The status is written by merge patch, which merges nested objects:
-    without this, a RollBack in tuning.lastChange would keep the before/after/restart of the Apply it
-    replaced, and a diagnosis the figures of an earlier one."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = {k: _replacing(old.get(k), v) for k, v in new.items()}
-        out.update({k: None for k in old if k not in new})
-        return out
-    return new
-
-
-def _camel(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in to_camel_dict(d).items() if v is not None}
 
 
 TRY_ANNOTATION = "kvtune.io/try"
@@ -281,14 +203,6 @@ def tried_key(raw: str) -> str:
     return raw if len(raw) <= TRIED_MAX else "sha256:" + hashlib.sha256(raw.encode()).hexdigest()
 
 
-def _record(out: TickResult, tuning: dict[str, Any], history: list[dict[str, Any]], entry: dict[str, Any],
-            event_type: str) -> None:
-    """One decision (a `_decision`): into the history, as tuning.lastChange, and as an Event."""
-    history.append(entry)
-    tuning["lastChange"] = entry
-    out.events.append(EventSpec(event_type, f"Tuning{entry['action']}", entry["message"]))
-
-
 def _scale_decision(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None, plan: AutotunePlan,
                     rnd: Round, autoscaler: str | None, now: float) -> tuple[int, str] | None:
     """(replicas, why) when a compute-bound round should scale: Apply mode, autotune.bounds.replicas
@@ -313,13 +227,15 @@ def _scale_decision(spec: InferenceDeploymentSpec, status: InferenceDeploymentSt
 
 def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None, plan: AutotunePlan,
          gathered: Gathered, now: float, *, trial: dict[str, Any] | None = None,
-         base_profile: Profile | None = None, autoscaler: str | None = None) -> TickResult:
+         base_profile: Profile | None = None, autoscaler: str | None = None,
+         canary: CanaryTarget | None = None) -> TickResult:
     """One round of the tuning loop for one deployment: what to write back (never the spec).
 
     A pure function of (status, window, now): the tuner's state is read from ``status.tuning`` and its
     new state is part of the returned status update, written with the decision that made it.
     `trial`: knobs the user asked to try (kvtune.io/try), decided instead of the tuner's choice.
-    `autoscaler`: an HPA or ScaledObject that owns the replica count (the tuner then only predicts)."""
+    `autoscaler`: an HPA or ScaledObject that owns the replica count (the tuner then only predicts).
+    `canary`: two or more replicas serve: a live change goes to this pod first (tuning_canary.py)."""
     out = TickResult()
     obs, mode = gathered.observation, plan.mode
     current = effective_engine(spec, status, mode).config
@@ -345,7 +261,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         return out
     if stale:  # a change is still rolling out: a window of the old knobs would judge the wrong config
         tuning.update(mode=mode.value, phase="Applying",
-                      message=f"waiting for the engines to run {_camel(stale)}")
+                      message=f"waiting for the engines to run {camel(stale)}")
         out.status_update = {"tuning": TuningStatus.checked(tuning)}
         return out
     state = state_from_status(status.tuning if status else None)
@@ -358,11 +274,11 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         rnd.decision = Decision("change", f"trying the knobs of annotation {TRY_ANNOTATION}", current, cfg,
                                 knob_changes(current, cfg), restart=bool(current.restart_changes(cfg)))
         state.begin(rnd.decision, measured_figures(obs), now, source="Annotation")
-    out.status_update["diagnosis"] = _replacing(old_diagnosis,
+    out.status_update["diagnosis"] = replacing(old_diagnosis,
                                                 diagnosis_status(rnd, gathered.window_s, now, spec.replicas))
 
-    def record(entry: dict[str, Any], event_type: str) -> None:
-        _record(out, tuning, history, entry, event_type)
+    def log(entry: dict[str, Any], event_type: str) -> None:
+        record(out, tuning, history, entry, event_type)
 
     target, phase, message = current, "Observing", rnd.note
     if rnd.verdict is not None:
@@ -373,36 +289,44 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         undo = {} if v.keep else knob_changes(current, rnd.config)
         before = {k: getattr(current, k) for k in undo}
         # a rollback says which change it undid: two rollbacks with the same figures read apart
-        said = f"{v.reason} ({_camel(before)} back to {_camel(undo)})" if undo else v.reason
-        record(_decision(now, action, said, cause=rnd.diagnosis.cause, restart=bool(RESTART_KNOBS & undo.keys()),
-                         before=before, after=undo,
-                         predicted=_predicted(v.predicted), measured=_figures(v.measured),
-                         prediction_error_ratio=v.prediction_error_ratio),
-               "Normal" if v.keep else "Warning")
+        said = f"{v.reason} ({camel(before)} back to {camel(undo)})" if undo else v.reason
+        log(decision_entry(now, action, said, cause=rnd.diagnosis.cause, restart=bool(RESTART_KNOBS & undo.keys()),
+                           before=before, after=undo,
+                           predicted=quoted_prediction(v.predicted), measured=quoted_figures(v.measured),
+                           prediction_error_ratio=v.prediction_error_ratio),
+            "Normal" if v.keep else "Warning")
         target, phase, message = rnd.config, ("Settled" if v.keep else "RolledBack"), said
     d = rnd.decision
     if d is not None and d.action == "change":
         apply = mode == AutotuneMode.APPLY and not rnd.unreliable  # unreliable predictions: recommend only
-        repeated = not apply and (tuning.get("lastChange") or {}).get("after") == _camel(d.changes)
+        on_canary = canary if apply and not d.restart and spec.runtime != "vllm" else None
+        repeated = not apply and (tuning.get("lastChange") or {}).get("after") == camel(d.changes)
         if not repeated:  # Recommend mode: one event per new recommendation, not one per tick
             said = d.explained(rnd.diagnosis.message, rnd.diagnosis.suggestion)
-            record(_decision(now, "Apply" if apply else "Recommend", said,
-                             cause=rnd.diagnosis.cause, restart=d.restart or spec.runtime == "vllm",
-                             before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
-                             predicted=_predicted({**window_figures(d.predicted), **(d.confidence or {})}
-                                                  if d.predicted else None)), "Normal")
-        if apply:
+            if on_canary is not None:
+                said += (f" First on canary pod {on_canary.pod}, judged against {', '.join(on_canary.controls)} "
+                         "over the same window.")
+            log(decision_entry(now, "Apply" if apply else "Recommend", said,
+                               cause=rnd.diagnosis.cause, restart=d.restart or spec.runtime == "vllm",
+                               before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
+                               predicted=quoted_prediction({**window_figures(d.predicted), **(d.confidence or {})}
+                                                           if d.predicted else None)), "Normal")
+        if on_canary is not None:  # status.engine stays: the other pods keep the old knobs
+            phase, out.canary_call = "Canary", (on_canary.url, dict(d.changes))
+            message = (f"canary pod {on_canary.pod} runs {camel(d.changes)}; judged against "
+                       f"{', '.join(on_canary.controls)} over the next window")
+        elif apply:
             target, phase = d.config, "Verifying"
-            message = f"applied {_camel(d.changes)}; verifying over the next window"
+            message = f"applied {camel(d.changes)}; verifying over the next window"
         else:
-            phase, message = "Recommended", f"recommends {_camel(d.changes)} (" + (
+            phase, message = "Recommended", f"recommends {camel(d.changes)} (" + (
                 f"not applied: {rnd.unreliable}" if rnd.unreliable else "Recommend mode: not applied") + ")"
     elif d is not None and rnd.verdict is None:
         message = d.reason
     scale = _scale_decision(spec, status, plan, rnd, autoscaler, now) if rnd.replicas is not None else None
     if scale is not None:
         out.scale, note = scale
-        record(_decision(now, "Scale", note, cause=rnd.diagnosis.cause), "Normal")
+        log(decision_entry(now, "Scale", note, cause=rnd.diagnosis.cause), "Normal")
         phase, message = "Observing", note
     changes = knob_changes(current, target)
     if changes and mode == AutotuneMode.APPLY:
@@ -410,7 +334,9 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         out.applied = changes
     tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:],
                   traceSource="synthesized" if gathered.trace_synthesized else "recorded", **state_status(state))
-    out.status_update["tuning"] = _replacing(old_tuning, TuningStatus.checked(tuning))
+    if out.canary_call:
+        tuning["pending"] = {**tuning["pending"], "canary": canary_run(on_canary, now)}
+    out.status_update["tuning"] = replacing(old_tuning, TuningStatus.checked(tuning))
     out.conditions.append(c.predictions_condition(rnd.unreliable, state.prediction_error))
     settled = rnd.diagnosis.cause == "Healthy" or phase in ("Settled",)
     out.conditions.append(c.Cond("Tuned", "True" if settled else "False", phase, message or rnd.diagnosis.message))
@@ -432,8 +358,8 @@ def roll_back_failed_rollout(spec: InferenceDeploymentSpec, status: InferenceDep
     tuning = dict(old_tuning)
     history = list(tuning.get("history") or [])
     message = (f"{what}: {failure}; rolled back to "
-               f"{_camel({k: getattr(restored, k) for k in undo})}, the candidate is barred")
-    _record(out, tuning, history, _decision(
+               f"{camel({k: getattr(restored, k) for k in undo})}, the candidate is barred")
+    record(out, tuning, history, decision_entry(
         now, "RollBack", message, cause=status.diagnosis.cause if status.diagnosis else None,
         restart=bool(RESTART_KNOBS & undo.keys()), before={k: getattr(current, k) for k in undo}, after=undo),
         "Warning")
@@ -442,7 +368,7 @@ def roll_back_failed_rollout(spec: InferenceDeploymentSpec, status: InferenceDep
         out.applied = undo
     tuning.update(mode=plan.mode.value, phase="RolledBack", message=message,
                   history=history[-TUNING_HISTORY_LIMIT:], **state_status(state))
-    out.status_update["tuning"] = _replacing(old_tuning, TuningStatus.checked(tuning))
+    out.status_update["tuning"] = replacing(old_tuning, TuningStatus.checked(tuning))
     out.conditions.append(c.Cond("Tuned", "False", "RolledBack", message))
     return out
 
@@ -465,7 +391,8 @@ def _since_last_change(status: InferenceDeploymentStatus | None, now: float) -> 
     """Seconds the running knobs have served: since the last change, or since a restart change's
     rollout completed (a window before it is the old pods' or the new ones' start-up)."""
     last = status.tuning.last_change if status and status.tuning else None
-    if last is None or last.action not in ("Apply", "RollBack"):
+    # a canary's Keep is when every pod began running the change (promoted to status.engine)
+    if last is None or not (last.action in ("Apply", "RollBack") or (last.action == "Keep" and last.canary)):
         return None
     t = dt.datetime.fromisoformat(str(last.time).replace("Z", "+00:00")).timestamp()
     rolled_out = status.tuning.pending.rolled_out_at if status.tuning.pending else None
@@ -534,9 +461,17 @@ class TuningLoop:
         result.conditions.append(c.rounds_late(admission.lag_s, plan.interval_s,
                                                queue.capacity if queue is not None else 1, now))
         # several replicas: recorded only if no other round wrote the tuner's state since this read
-        self.reconciler.reconcile(namespace, name, status_update=result.status_update,
-                                  conditions=result.conditions, events=result.events,
-                                  basis=(raw.get("status") or {}).get("tuning") or {})
+        outcome = self.reconciler.reconcile(namespace, name, status_update=result.status_update,
+                                            conditions=result.conditions, events=result.events,
+                                            basis=(raw.get("status") or {}).get("tuning") or {})
+        if result.canary_call is not None and outcome.written:  # recorded first: the canary round keeps it so
+            url, knobs = result.canary_call
+            own = self._own_ips(self.reconciler.kube.list_pods(namespace, selector_string(name)))
+            try:
+                self._engine(url, engine_admin_key(self.reconciler.kube, namespace, name, infd.metadata.uid),
+                             own).set_config(knobs)
+            except EngineError as e:  # the next round sees the canary without the change and sends it again
+                log.warning("%s/%s: canary %s did not take %s yet: %s", namespace, name, url, knobs, e)
         return result
 
     def _round(self, namespace: str, name: str, infd: InferenceDeployment, plan: AutotunePlan,
@@ -561,13 +496,14 @@ class TuningLoop:
                                "new pods"})})
             if now - pending.rolled_out_at.timestamp() < plan.window_s:
                 return TickResult()
+        if pending is not None and pending.canary is not None:
+            return self._canary_round(namespace, name, infd, plan, now)
+        pods = self.reconciler.kube.list_pods(namespace, selector_string(name))
+        own_pods = self._own_ips(pods)
+        admin_key = engine_admin_key(self.reconciler.kube, namespace, name, infd.metadata.uid)
         try:
-            own_pods = pod_ips(self.reconciler.kube.list_pods(namespace, selector_string(name)))
-            if getattr(self.settings, "allow_loopback_engines", False):  # a test harness' local engines
-                own_pods |= {"127.0.0.1", "::1"}
             gathered = gather(plan, namespace, name, infd.spec, _since_last_change(status, now),
-                              allowed=self.settings.prometheus_allowlist, pods=own_pods,
-                              admin_key=engine_admin_key(self.reconciler.kube, namespace, name, infd.metadata.uid),
+                              allowed=self.settings.prometheus_allowlist, pods=own_pods, admin_key=admin_key,
                               running=effective_engine(infd.spec, status, plan.mode).config)
         except MetricsUnavailable as e:
             waiting = " A pending change keeps waiting for its verdict." if pending is not None else ""
@@ -584,10 +520,91 @@ class TuningLoop:
                 trial, invalid = None, EventSpec("Warning", "InvalidTrial", why)
         scaling = bool(infd.spec.autotune and infd.spec.autotune.bounds and infd.spec.autotune.bounds.replicas)
         autoscaler = autoscaler_of(self.reconciler.kube.autoscalers(namespace), name) if scaling else None
-        result = tick(infd.spec, status, plan, gathered, now, trial=trial, autoscaler=autoscaler)
+        target = choose_target(ready_pods(pods), gathered.instances) if plan.mode == AutotuneMode.APPLY else None
+        result = tick(infd.spec, status, plan, gathered, now, trial=trial, autoscaler=autoscaler, canary=target)
         if result.scale is not None:  # the scale subresource, as an autoscaler would (spec.replicas)
             self.reconciler.kube.patch_infd_scale(namespace, name, result.scale)
         if invalid is not None or (trial is not None and result.applied):  # each value is tried once
             result.status_update.setdefault("tuning", {})["triedAnnotation"] = tried_key(raw)
         result.events[:0] = [invalid] if invalid else []
         return result
+
+    def _own_ips(self, pods: list[dict[str, Any]]) -> set[str]:
+        """The IPs of this deployment's pods: the only addresses that get its admin key."""
+        own = pod_ips(pods)
+        if getattr(self.settings, "allow_loopback_engines", False):  # a test harness' local engines
+            own |= {"127.0.0.1", "::1"}
+        return own
+
+    @staticmethod
+    def _engine(url: str, admin_key: str | None, own: set[str]) -> EngineClient:
+        return EngineClient(url, admin_key=admin_key, key_only_to=own, deadline_s=10.0)
+
+    def _canary_round(self, namespace: str, name: str, infd: InferenceDeployment, plan: AutotunePlan,
+                      now: float) -> TickResult:
+        """A round while a canary runs the pending change (tuning_canary.py): keep it running the
+        change, and once a whole window has passed judge it against its controls, then promote it
+        (status.engine) or set it back and roll back."""
+        spec, status = infd.spec, infd.status
+        run = status.tuning.pending.canary
+        pending = state_from_status(status.tuning).pending
+        changes = dict(pending.changes)
+        undo = {k: pending.before[k] for k in changes}
+        elapsed = now - run.started_at.timestamp()
+        window = min(plan.window_s, elapsed)
+        pods = self.reconciler.kube.list_pods(namespace, selector_string(name))
+        own = self._own_ips(pods)
+        if run.pod not in {(p.get("metadata") or {}).get("name") for p in pods}:
+            return lost(spec, status, plan, f"canary pod {run.pod} went before its verdict (a replacement reads "
+                                            "status.engine)", now)
+        try:
+            check_allowed(plan.prometheus_url, self.settings.prometheus_allowlist)
+            if window < MIN_WINDOW_S:
+                raise MetricsUnavailable("WindowTooShort", f"the canary has run the change for {elapsed:.0f}s; "
+                                         f"waiting for at least {MIN_WINDOW_S:.0f}s of its metrics")
+            w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=10.0)
+        except MetricsUnavailable as e:
+            return TickResult(conditions=[c.Cond("MetricsAvailable", "False", e.reason,
+                                                 f"{e}. The canary keeps waiting for its verdict.")])
+        scraped = pod_instances(w.series, own)
+        if run.pod not in scraped:
+            return waiting(status, f"canary pod {run.pod} is not in Prometheus' window; waiting for it")
+        engine = self._engine(scraped[run.pod], engine_admin_key(self.reconciler.kube, namespace, name,
+                                                                  infd.metadata.uid), own)
+        try:
+            running = engine.config().config
+            if any(running.get(k) != v for k, v in changes.items()):  # restarted, or its ConfigMap reloaded
+                engine.set_config(changes)
+                return restarted(status, now, f"canary pod {run.pod} no longer ran {camel(changes)}: sent it again; "
+                                              "its window starts again")
+        except EngineError as e:
+            if elapsed > 2 * plan.window_s:  # a canary that cannot be reached cannot be judged, nor set back
+                return lost(spec, status, plan, f"canary pod {run.pod} has not answered for {elapsed:.0f}s ({e}); it "
+                                                "runs the change until it is restarted", now)
+            return waiting(status, f"cannot reach canary pod {run.pod}: {e}; waiting")
+        if elapsed < plan.window_s:
+            return waiting(status, f"canary pod {run.pod} runs {camel(changes)}; the verdict comes after a whole "
+                                   f"{plan.window_s:.0f}s window ({plan.window_s - elapsed:.0f}s left)")
+        ready = ready_pods(pods)
+        controls = [x for x in run.controls if x in scraped and x in ready]
+        if not controls:
+            try:
+                engine.set_config(undo)
+            except EngineError as e:
+                return waiting(status, f"no control left, and setting canary pod {run.pod} back failed: {e}; "
+                                       "trying again")
+            return lost(spec, status, plan, f"no control pod of {', '.join(run.controls)} is left to judge canary "
+                                            f"{run.pod} against", now)
+        objectives = tuner_settings(spec, plan).objectives
+        current = effective_engine(spec, status, plan.mode).config
+        slo = (objectives.slo_ttft_s, objectives.slo_tpot_s)
+        canary, measured = pod_figures(w.series, run.pod, window, current.with_changes(**changes), *slo)
+        j = judge_canary(canary, [pod_figures(w.series, x, window, current, *slo)[0] for x in controls],
+                         gates_of(spec), window)
+        if not j.promote:
+            try:
+                engine.set_config(undo)
+            except EngineError as e:
+                return waiting(status, f"the canary is reverted, but setting pod {run.pod} back failed: {e}; "
+                                       "trying again")
+        return judged(spec, status, plan, j, measured, now)

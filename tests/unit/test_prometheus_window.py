@@ -55,7 +55,7 @@ def test_an_engine_that_started_inside_the_window_counts_from_zero():
 
 
 def test_status_patch_replaces_nested_objects_it_rewrites():
-    from kvtune_operator.tuning import _replacing
+    from kvtune_operator.tuning_record import replacing as _replacing
 
     old = {"action": "Apply", "before": {"maxNumSeqs": 2}, "after": {"maxNumSeqs": 64}, "restart": False}
     new = {"action": "RollBack", "message": "fell 40%"}

@@ -465,14 +465,22 @@ class TunerState:
             raise ValueError("nothing to verify")
         p = self.pending
         v = judge(p.before_figures, measured, p.predicted_figures, objectives.regression_threshold, counterfactual)
+        return v, self.conclude(v, now, objectives)
+
+    def conclude(self, v: Verdict, now: float, objectives: Objectives) -> EngineConfig:
+        """End the pending change with verdict ``v`` (``verify``'s, or a canary's judged against its
+        siblings): the config to run next, the rolled-back candidate barred."""
+        if self.phase != "Verifying" or self.pending is None:
+            raise ValueError("nothing to verify")
+        p = self.pending
         nxt = EngineConfig.model_validate(p.after) if v.keep else self._roll_back(now, v.reason, objectives)
         self._log({"at": now, "event": "kept" if v.keep else "rolled_back", "changes": dict(p.changes),
                    "restart": p.restart, "reason": v.reason, "predicted": p.predicted_figures,
-                   "measured": dict(measured), "before": p.before_figures,
+                   "measured": dict(v.measured), "before": p.before_figures,
                    "prediction_error_ratio": v.prediction_error_ratio})
         self.pending = None
         self.phase = "Idle"
-        return v, nxt
+        return nxt
 
     def fail(self, now: float, reason: str, objectives: Objectives) -> EngineConfig:
         """The pending change could not run at all (its pods never came up): roll it back without a
