@@ -36,7 +36,8 @@ from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
     OperatorProcess, admin_key, crd, engine_namespace, eventually, get,
 )
 from .test_tuner_e2e import (  # noqa: F401 - model is a fixture
-    INTERVAL, LABEL, VOCAB, WINDOW, delete_and_wait, engine_state, history, log, model, tuning_events, wait_for,
+    INTERVAL, LABEL, VOCAB, WINDOW, delete_and_wait, engine_state, history, log, model, tuning_events, url_of,
+    wait_for,
 )
 
 pytestmark = pytest.mark.integration
@@ -97,11 +98,11 @@ def test_a_canary_is_promoted_then_a_bad_one_is_reverted_against_its_siblings(
         log(f"canary: {REPLICAS} engines ready after {time.monotonic() - t0:.0f}s: {names}")
         assert set(_seqs(pod_node, ns, name, key).values()) == {2}
 
-        # twice what two sequences serve on each pod, measured here first on one of them (the three
+        # twice what two sequences serve, to each pod, measured here first on one of them (the three
         # share two cores: under the whole load each serves less, so the queues grow at 2 all the more)
-        served = served_rate(_balanced(pod_node, ns, name), "tiny", requests=8, prompt_tokens=32, output_tokens=48,
+        served = served_rate(url_of(pod_node, ns, name), "tiny", requests=8, prompt_tokens=32, output_tokens=48,
                              vocab=VOCAB)
-        rate = 2 * served * REPLICAS / 2
+        rate = 2 * served * REPLICAS
         log(f"canary: two sequences serve {served:.1f} requests/s on one pod: the load sends {rate:.1f}/s")
         load = OpenLoopLoad(_balanced(pod_node, ns, name), "tiny", rate=rate, prompt_tokens=32, output_tokens=48,
                             vocab=VOCAB, max_requests=6000, max_seconds=420, max_in_flight=96, seed=7)
