@@ -304,8 +304,8 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         if not repeated:  # Recommend mode: one event per new recommendation, not one per tick
             said = d.explained(rnd.diagnosis.message, rnd.diagnosis.suggestion)
             if on_canary is not None:
-                said += (f" First on canary pod {on_canary.pod}, judged against {', '.join(on_canary.controls)} "
-                         "over the same window.")
+                said += (f"; first on canary pod {on_canary.pod}, judged against {', '.join(on_canary.controls)} "
+                         "over the same window")
             log(decision_entry(now, "Apply" if apply else "Recommend", said,
                                cause=rnd.diagnosis.cause, restart=d.restart or spec.runtime == "vllm",
                                before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
