@@ -119,10 +119,14 @@ def observation_dict(obs: Any) -> dict[str, Any]:
               help="vLLM only: the server's --max-model-len (default: from cache_config_info).")
 @click.option("--assume-device-memory", "assume_device_gib", type=click.FloatRange(min=0, min_open=True),
               default=None, help="vLLM only: device memory, GiB (lets the diagnosis size gpu-memory-utilization).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds each answer of the engine may take (a server busy with the very queue being "
+                   "diagnosed can take seconds to render /metrics).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def diagnose_cmd(url: str, window_s: float, slo_ttft: float | None, slo_tpot: float | None, admin_key: str | None,
                  assume_max_num_seqs: int | None, assume_max_num_batched_tokens: int | None,
-                 assume_max_model_len: int | None, assume_device_gib: float | None, as_json: bool) -> None:
+                 assume_max_model_len: int | None, assume_device_gib: float | None, timeout_s: float,
+                 as_json: bool) -> None:
     """Why do requests wait on a live engine? Reads its /metrics and /kvtune/v1/state; on vLLM, its
     /metrics alone, with what vLLM does not export taken from the --assume-* flags or inferred from the
     window (and said so, with the evidence); too little evidence is said, not guessed."""
@@ -135,6 +139,7 @@ def diagnose_cmd(url: str, window_s: float, slo_ttft: float | None, slo_tpot: fl
                              max_model_len=assume_max_model_len, device_memory_gib=assume_device_gib,
                              given_by="--assume flag")
     read = read_engine(url, window_s=window_s, slo_ttft_s=slo_ttft, slo_tpot_s=slo_tpot, admin_key=admin_key,
+                       timeout_s=timeout_s,
                        assume=assume)
     reading = read if isinstance(read, VllmReading) else None
     obs = reading.observation if reading else read

@@ -33,7 +33,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 def diagnose(url: str, *extra: str, window: float = 8.0) -> dict:
     out = subprocess.run([KVTUNE, "diagnose", "--url", url, "--window", str(window), "--json", *extra],
-                         check=True, capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"kvtune diagnose exited {out.returncode}:\n{out.stderr[-3000:]}\n{out.stdout[-2000:]}"
     return json.loads(out.stdout)
 
 
