@@ -275,9 +275,9 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
                                 knob_changes(current, cfg), restart=bool(current.restart_changes(cfg)))
         state.begin(rnd.decision, measured_figures(obs), now, source="Annotation")
     out.status_update["diagnosis"] = replacing(old_diagnosis,
-                                                diagnosis_status(rnd, gathered.window_s, now, spec.replicas))
+                                               diagnosis_status(rnd, gathered.window_s, now, spec.replicas))
 
-    def log(entry: dict[str, Any], event_type: str) -> None:
+    def note(entry: dict[str, Any], event_type: str) -> None:
         record(out, tuning, history, entry, event_type)
 
     target, phase, message = current, "Observing", rnd.note
@@ -290,11 +290,11 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         before = {k: getattr(current, k) for k in undo}
         # a rollback says which change it undid: two rollbacks with the same figures read apart
         said = f"{v.reason} ({camel(before)} back to {camel(undo)})" if undo else v.reason
-        log(decision_entry(now, action, said, cause=rnd.diagnosis.cause, restart=bool(RESTART_KNOBS & undo.keys()),
-                           before=before, after=undo,
-                           predicted=quoted_prediction(v.predicted), measured=quoted_figures(v.measured),
-                           prediction_error_ratio=v.prediction_error_ratio),
-            "Normal" if v.keep else "Warning")
+        note(decision_entry(now, action, said, cause=rnd.diagnosis.cause, restart=bool(RESTART_KNOBS & undo.keys()),
+                            before=before, after=undo,
+                            predicted=quoted_prediction(v.predicted), measured=quoted_figures(v.measured),
+                            prediction_error_ratio=v.prediction_error_ratio),
+             "Normal" if v.keep else "Warning")
         target, phase, message = rnd.config, ("Settled" if v.keep else "RolledBack"), said
     d = rnd.decision
     if d is not None and d.action == "change":
@@ -306,11 +306,11 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
             if on_canary is not None:
                 said += (f"; first on canary pod {on_canary.pod}, judged against {', '.join(on_canary.controls)} "
                          "over the same window")
-            log(decision_entry(now, "Apply" if apply else "Recommend", said,
-                               cause=rnd.diagnosis.cause, restart=d.restart or spec.runtime == "vllm",
-                               before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
-                               predicted=quoted_prediction({**window_figures(d.predicted), **(d.confidence or {})}
-                                                           if d.predicted else None)), "Normal")
+            note(decision_entry(now, "Apply" if apply else "Recommend", said,
+                                cause=rnd.diagnosis.cause, restart=d.restart or spec.runtime == "vllm",
+                                before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
+                                predicted=quoted_prediction({**window_figures(d.predicted), **(d.confidence or {})}
+                                                            if d.predicted else None)), "Normal")
         if on_canary is not None:  # status.engine stays: the other pods keep the old knobs
             phase, out.canary_call = "Canary", (on_canary.url, dict(d.changes))
             message = (f"canary pod {on_canary.pod} runs {camel(d.changes)}; judged against "
@@ -325,9 +325,9 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         message = d.reason
     scale = _scale_decision(spec, status, plan, rnd, autoscaler, now) if rnd.replicas is not None else None
     if scale is not None:
-        out.scale, note = scale
-        log(decision_entry(now, "Scale", note, cause=rnd.diagnosis.cause), "Normal")
-        phase, message = "Observing", note
+        out.scale, why = scale
+        note(decision_entry(now, "Scale", why, cause=rnd.diagnosis.cause), "Normal")
+        phase, message = "Observing", why
     changes = knob_changes(current, target)
     if changes and mode == AutotuneMode.APPLY:
         out.status_update.update(tuned_status(spec, current, changes))

@@ -114,7 +114,8 @@ def _conclude(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus, 
     """End the pending canary: ``verdict`` None drops it unjudged (its pod went), else Keep promotes
     the change to status.engine (every pod) and RollBack bars it (the canary was already set back)."""
     out = TickResult()
-    objectives = tuner_settings(spec, plan).objectives
+    settings = tuner_settings(spec, plan)
+    objectives = settings.objectives
     state = state_from_status(status.tuning)
     pending = state.pending
     assert pending is not None
@@ -133,8 +134,7 @@ def _conclude(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus, 
         phase = "Observing"
     else:
         state.conclude(verdict, now, objectives)
-        state.track_prediction(verdict.prediction_error_ratio, now, tuner_settings(spec, plan).thresholds,
-                               objectives.bad_memory_s)
+        state.track_prediction(verdict.prediction_error_ratio, now, settings.thresholds, objectives.bad_memory_s)
         undo = {} if verdict.keep else {k: getattr(current, k) for k in changes}
         entry = decision_entry(now, "Keep" if verdict.keep else "RollBack", message, cause=cause,
                                before={k: getattr(after, k) for k in undo} if undo else None, after=undo or None,
