@@ -166,7 +166,7 @@ def test_a_canary_is_promoted_then_a_bad_one_is_reverted_against_its_siblings(
                        what="the canary to run the kept value again")
         log(f"canary: load {load.stats}")
         assert load.stats.failed == 0, load.stats.errors
-        evs = tuning_events(controlplane, ns, name)
+        evs = tuning_events(controlplane, ns, name, including=("TuningKeep", "TuningRollBack"))
         assert ("Normal", "TuningKeep") in [(t, r) for t, r, _ in evs]
         assert ("Warning", "TuningRollBack") in [(t, r) for t, r, _ in evs], evs
         text = controlplane.kubectl("describe", "infd", name, "-n", ns).stdout

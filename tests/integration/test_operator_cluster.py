@@ -397,9 +397,10 @@ def test_missing_pvc_is_degraded_with_an_event(controlplane, operator, opns):
         return c if c.get("status") == "True" and c.get("reason") == "ModelVolumeMissing" else None
     c = eventually(degraded, timeout=60, what="Degraded ModelVolumeMissing")
     assert "absent" in c["message"]
-    events = controlplane.kubectl_json("get", "events", "-n", opns, "--field-selector",
-                                       "involvedObject.name=nopvc,reason=ModelVolumeMissing", "-o", "json")["items"]
-    assert events and events[0]["type"] == "Warning"
+    # the operator posts its events after it wrote the status: wait for the event, do not race it
+    events = eventually(lambda: events_of(controlplane, opns, "nopvc", "ModelVolumeMissing"),
+                        timeout=30, what="a ModelVolumeMissing event")
+    assert events[0]["type"] == "Warning"
     # no engine pods until the claim exists and its volume is checked (it could come bound to a node directory)
     assert controlplane.kubectl("get", "deployment", "nopvc", "-n", opns, check=False).returncode != 0
     assert get(controlplane, "configmap", "nopvc-engine", opns)
@@ -443,8 +444,9 @@ def test_a_claim_bound_to_a_host_path_volume_gets_no_pods(controlplane, operator
         c = eventually(refused, timeout=60, what="Degraded HostPathVolume")
         assert "node-dir" in c["message"] and pvs[0] in c["message"] and "hostPath" in c["message"]
         assert "allowHostPath" in c["message"]  # and what is allowed
-        events = events_of(controlplane, opns, "viahost", "HostPathVolume")
-        assert events and events[0]["type"] == "Warning" and pvs[0] in events[0]["message"]
+        events = eventually(lambda: events_of(controlplane, opns, "viahost", "HostPathVolume"),
+                            timeout=30, what="a HostPathVolume event")  # posted after the status
+        assert events[0]["type"] == "Warning" and pvs[0] in events[0]["message"]
         dep = eventually(lambda: controlplane.kubectl_json("get", "deployments", "-n", opns, "-o", "json")["items"]
                          if get(controlplane, "deployment", "viacsi", opns) else None, what="viacsi's Deployment")
         assert "viahost" not in [d["metadata"]["name"] for d in dep]
@@ -596,7 +598,8 @@ def test_a_deleted_admin_key_secret_brings_pods_and_operator_to_one_key(controlp
                what="the engine pods to run with the new admin key")
     wait_ready(controlplane, "keyed", opns, operator)
     assert admin_key(controlplane, opns, "keyed") == new_key  # stable: not regenerated again
-    assert events_of(controlplane, opns, "keyed", "AdminKeyRecreated")
+    eventually(lambda: events_of(controlplane, opns, "keyed", "AdminKeyRecreated"), timeout=30,
+               what="an AdminKeyRecreated event")
 
 
 # -- the chart, and its RBAC being enough -------------------------------------------------------------

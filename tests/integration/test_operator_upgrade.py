@@ -250,7 +250,7 @@ def test_chart_upgrade_during_a_restart_rollout_keeps_requests_and_status_true(
             assert len({(e["time"], e["action"], e["message"]) for e in h}) == len(h), h
             assert [e for e in h if e["action"] == "Apply"] == [apply], h
             assert verdicts(obj) == [verdict], h
-            evs = tuning_events(controlplane, ns, name)
+            evs = tuning_events(controlplane, ns, name, including=("TuningApply", f"Tuning{verdict['action']}"))
             assert [m for _, r, m in evs if r == "TuningApply"] == [apply["message"][:1024]], evs
             assert [m for _, r, m in evs if r in ("TuningKeep", "TuningRollBack")] == [verdict["message"][:1024]], evs
         log(f"upgrade: load {load.stats}")

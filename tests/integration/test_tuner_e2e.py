@@ -198,10 +198,19 @@ def url_of(pod_node, ns: str, name: str):
     return lambda: next(iter(pod_node.urls_for_selector(ns, labels)), None)
 
 
-def tuning_events(controlplane, ns: str, name: str) -> list[tuple[str, str, str]]:
-    return [(e["type"], e["reason"], e["message"]) for e in sorted(
-        events(controlplane, ns, name), key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
-        if e["reason"].startswith("Tuning")]
+def tuning_events(controlplane, ns: str, name: str, *, including: tuple[str, ...] = ()
+                  ) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of its Tuning* events, oldest first, once one of each reason in
+    `including` is there: the operator posts a decision's event after it wrote the status, so a test
+    that just saw the decision in the status waits for its event rather than racing it."""
+    def read():
+        return [(e["type"], e["reason"], e["message"]) for e in sorted(
+            events(controlplane, ns, name), key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
+            if e["reason"].startswith("Tuning")]
+    if not including:
+        return read()
+    return eventually(lambda: (evs := read()) and set(including) <= {r for _, r, _ in evs} and evs,
+                      timeout=30, what=f"events {', '.join(including)}")
 
 
 def delete_and_wait(controlplane, pod_node, ns: str, name: str) -> None:
@@ -334,7 +343,7 @@ def test_sequence_cap_live_change_then_forced_bad_candidate_rolled_back(
 
     log(f"seqcap: load {load.stats}")
     assert load.stats.failed == 0, load.stats.errors
-    evs = tuning_events(controlplane, ns, name)
+    evs = tuning_events(controlplane, ns, name, including=("TuningApply", "TuningKeep", "TuningRollBack"))
     reasons = [(t, r) for t, r, _ in evs]
     assert ("Normal", "TuningApply") in reasons and ("Normal", "TuningKeep") in reasons
     assert ("Warning", "TuningRollBack") in reasons, evs
@@ -444,7 +453,7 @@ def test_low_kv_memory_restart_change_rolls_the_deployment(controlplane, pod_nod
 
     log(f"lowmem: load {load.stats}")
     assert load.stats.failed == 0, load.stats.errors
-    evs = tuning_events(controlplane, ns, name)
+    evs = tuning_events(controlplane, ns, name, including=("TuningApply",))
     assert any(r == "TuningApply" and "needs a restart" in m for _, r, m in evs), evs
     text = controlplane.kubectl("describe", "infd", name, "-n", ns).stdout
     for want in ("Cause:", "LowKVMemory", "TuningApply", "RollingRestart", "gpuMemoryUtilization 0.1 -> "):

@@ -59,8 +59,8 @@ def _describe(controlplane, ns: str, name: str) -> str:
     return controlplane.kubectl("describe", "infd", name, "-n", ns).stdout
 
 
-def _events(controlplane, ns: str, name: str) -> list[tuple[str, str, str]]:
-    return tuning_events(controlplane, ns, name)
+def _events(controlplane, ns: str, name: str, *including: str) -> list[tuple[str, str, str]]:
+    return tuning_events(controlplane, ns, name, including=including)
 
 
 def _verdict_after(obj: dict, apply_time: str) -> dict | None:
@@ -120,7 +120,7 @@ def test_operator_kill_prometheus_outage_a_rollout_that_cannot_start_and_an_apis
             t_verdict = time.mktime(time.strptime(verdict["time"], "%Y-%m-%dT%H:%M:%SZ"))
             if obj["status"]["diagnosis"]["observedAt"] == verdict["time"]:
                 assert t_verdict - window_s >= t_apply - 1, (apply, verdict, window_s)
-            evs = _events(controlplane, ns, name)
+            evs = _events(controlplane, ns, name, "TuningApply", "TuningKeep")
             assert [m for _, r, m in evs if r == "TuningApply"].count(apply["message"]) == 1, evs
             assert [m for _, r, m in evs if r == "TuningKeep"].count(verdict["message"]) == 1, evs
 
@@ -194,7 +194,7 @@ def test_operator_kill_prometheus_outage_a_rollout_that_cannot_start_and_an_apis
             assert obj["status"]["engine"]["gpuMemoryUtilization"] == 0.3
             rejected = obj["status"]["tuning"]["rejected"]
             assert any(r["knobs"]["gpuMemoryUtilization"] == 0.1 for r in rejected), rejected
-            evs = _events(controlplane, ns, name)
+            evs = _events(controlplane, ns, name, "TuningRollBack")
             assert any(t == "Warning" and r == "TuningRollBack" and "--gpu-memory-utilization" in m
                        for t, r, m in evs), evs
             # the old config runs alone again: the failing pods go, Degraded clears
@@ -231,7 +231,7 @@ def test_operator_kill_prometheus_outage_a_rollout_that_cannot_start_and_an_apis
             h = history(obj)
             assert len({(e["time"], e["action"], e["message"]) for e in h}) == len(h), h
             assert h.count(trial) == 1
-            evs = _events(controlplane, ns, name)
+            evs = _events(controlplane, ns, name, "TuningApply", f"Tuning{verdict['action']}")
             assert [m for _, r, m in evs if r == "TuningApply"].count(trial["message"]) == 1, evs
             assert [m for _, r, m in evs if r == f"Tuning{verdict['action']}"].count(verdict["message"]) == 1, evs
         log(f"faults: load {load.stats}")
