@@ -876,6 +876,8 @@ class CanaryRun(CRDModel):
     pod: str = Field(..., max_length=253, description="The canary pod (the change went to its admin API).")
     controls: list[str] = Field(..., max_length=64, description="The untouched pods it is judged against.")
     started_at: Timestamp = Field(..., description="When the canary began running the change (its window starts here).")
+    url: str | None = Field(None, max_length=512, description="Where the change was sent (the canary's admin API): "
+                            "where it is set back when no verdict comes, only while it is one of the pods' addresses.")
 
 
 class PendingChange(CRDModel):

@@ -418,13 +418,17 @@ class TuningLoop:
         infd = InferenceDeployment.from_body(body)
         plan = resolve_autotune(infd.spec, self.settings)
         now = self.clock()
+        canary = ((((body.get("status") or {}).get("tuning") or {}).get("pending")) or {}).get("canary")
         if plan.mode == AutotuneMode.OFF:
             memo.pop("tuned_at", None)
             memo.pop("first_due_at", None)
-            if queue is not None:
-                queue.withdraw((namespace, name))
-            return None
-        due_at = memo["tuned_at"] + plan.interval_s if "tuned_at" in memo else memo.setdefault("first_due_at", now)
+            if not canary:
+                if queue is not None:
+                    queue.withdraw((namespace, name))
+                return None
+            due_at = now  # one more round, now: it sets the canary back
+        else:
+            due_at = memo["tuned_at"] + plan.interval_s if "tuned_at" in memo else memo.setdefault("first_due_at", now)
         if now < due_at:
             return None
         admission = queue.offer((namespace, name), due_at, now) if queue is not None else \
@@ -454,6 +458,9 @@ class TuningLoop:
             return None
         infd = InferenceDeployment.from_body(raw)
         plan = resolve_autotune(infd.spec, self.settings)
+        pending = infd.status.tuning.pending if infd.status.tuning else None
+        if plan.mode == AutotuneMode.OFF and (pending is None or pending.canary is None):
+            return None  # turned off since kopf's copy: no round (only a canary is set back)
         result = self._round(namespace, name, infd, plan, now)
         error = (result.status_update.get("tuning") or {}).get("predictionError")
         if error is not None:
@@ -557,6 +564,9 @@ class TuningLoop:
         if run.pod not in {(p.get("metadata") or {}).get("name") for p in pods}:
             return lost(spec, status, plan, f"canary pod {run.pod} went before its verdict (a replacement reads "
                                             "status.engine)", now)
+        admin_key = engine_admin_key(self.reconciler.kube, namespace, name, infd.metadata.uid)
+        if plan.mode != AutotuneMode.APPLY:  # nothing is applied in Recommend or Off: no verdict, set it back
+            return self._stand_down(spec, status, plan, admin_key, own, now, f"autotune mode is {plan.mode.value}")
         try:
             check_allowed(plan.prometheus_url, self.settings.prometheus_allowlist)
             if window < MIN_WINDOW_S:
@@ -568,9 +578,11 @@ class TuningLoop:
                                                  f"{e}. The canary keeps waiting for its verdict.")])
         scraped = pod_instances(w.series, own)
         if run.pod not in scraped:
+            if elapsed > 2 * plan.window_s:  # what Prometheus does not scrape cannot be judged
+                return self._stand_down(spec, status, plan, admin_key, own, now,
+                                        f"canary pod {run.pod} has not been in Prometheus' window for {elapsed:.0f}s")
             return waiting(status, f"canary pod {run.pod} is not in Prometheus' window; waiting for it")
-        engine = self._engine(scraped[run.pod], engine_admin_key(self.reconciler.kube, namespace, name,
-                                                                  infd.metadata.uid), own)
+        engine = self._engine(scraped[run.pod], admin_key, own)
         try:
             running = engine.config().config
             if any(running.get(k) != v for k, v in changes.items()):  # restarted, or its ConfigMap reloaded
@@ -608,3 +620,24 @@ class TuningLoop:
                 return waiting(status, f"the canary is reverted, but setting pod {run.pod} back failed: {e}; "
                                        "trying again")
         return judged(spec, status, plan, j, measured, now)
+
+    def _stand_down(self, spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus, plan: AutotunePlan,
+                    admin_key: str | None, own: set[str], now: float, why: str) -> TickResult:
+        """End a canary that gets no verdict (``why``): set its knobs to what status.engine makes every
+        pod run in this mode, then drop the change unjudged; a canary that cannot be set back is dropped
+        once it has had two windows to answer, and runs the change until it restarts."""
+        run = status.tuning.pending.canary
+        current = effective_engine(spec, status, plan.mode).config
+        back = {k: getattr(current, k) for k in state_from_status(status.tuning).pending.changes}
+        elapsed = now - run.started_at.timestamp()
+        try:
+            if not run.url or pod_host(run.url) not in own:
+                raise EngineError("/kvtune/v1/config", f"its address {run.url or '(not recorded)'} is not one of "
+                                                      "the pods'")
+            self._engine(run.url, admin_key, own).set_config(back)
+        except EngineError as e:
+            if elapsed <= 2 * plan.window_s:
+                return waiting(status, f"{why}; setting canary pod {run.pod} back failed: {e}; trying again")
+            return lost(spec, status, plan, f"{why}, and canary pod {run.pod} could not be set back ({e}); it runs "
+                                            "the change until it is restarted", now)
+        return lost(spec, status, plan, f"{why}: canary pod {run.pod} was set back to {camel(back)}", now)

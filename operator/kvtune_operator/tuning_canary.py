@@ -91,14 +91,14 @@ def gates_of(spec: InferenceDeploymentSpec) -> Gates:
 
 def canary_run(target: CanaryTarget, now: float) -> dict[str, Any]:
     """status.tuning.pending.canary for a change that starts on ``target`` now."""
-    return CanaryRun(pod=target.pod, controls=list(target.controls), started_at=stamp(now)).dump()
+    return CanaryRun(pod=target.pod, controls=list(target.controls), started_at=stamp(now), url=target.url).dump()
 
 
 def restarted(status: InferenceDeploymentStatus, now: float, why: str) -> TickResult:
     """The canary began running the change again at ``now`` (it had lost it): its window starts again."""
     tuning = status.tuning.dump()
     run = status.tuning.pending.canary
-    pending = {**tuning["pending"], "canary": CanaryRun(pod=run.pod, controls=run.controls, started_at=stamp(now)).dump()}
+    pending = {**tuning["pending"], "canary": run.model_copy(update={"started_at": stamp(now)}).dump()}
     return TickResult(status_update={"tuning": TuningStatus.checked(
         {**tuning, "pending": pending, "phase": "Canary", "message": why})})
 

@@ -13,6 +13,9 @@ load that outruns it.
 2. **Reverted.** A bad candidate, forced with ``kvtune.io/try`` (maxNumSeqs 1), goes to a canary
    only. Judged against its two siblings, it is reverted: the canary runs the kept value again,
    status.engine never moved, and the candidate is barred.
+3. **Stood down.** A third candidate on a canary, then the mode turned to Recommend before its
+   verdict: nothing is judged or promoted in Recommend, so the canary is set back at once and the
+   change dropped, not barred.
 
 The load sees no failed request. ``kubectl describe`` shows each verdict's canary, its controls and
 the gates' figures.
@@ -164,6 +167,26 @@ def test_a_canary_is_promoted_then_a_bad_one_is_reverted_against_its_siblings(
             assert any(r["knobs"]["maxNumSeqs"] == 1 for r in obj["status"]["tuning"]["rejected"])
             eventually(lambda: set(_seqs(pod_node, ns, name, key).values()) == {kept}, timeout=30,
                        what="the canary to run the kept value again")
+
+            # -- 3. Recommend mode mid-canary: no verdict, the canary set back -----------------------
+            controlplane.kubectl("annotate", "infd", name, "-n", ns, "--overwrite", 'kvtune.io/try={"maxNumSeqs": 3}')
+            obj = wait_for(controlplane, ns, name, lambda o: (o["status"]["tuning"].get("pending") or {}).get("canary"),
+                           timeout=90, what="a third change on a canary", operator=op)
+            third = obj["status"]["tuning"]["lastChange"]
+            canary = obj["status"]["tuning"]["pending"]["canary"]["pod"]
+            eventually(lambda: _seqs(pod_node, ns, name, key).get(canary) == 3, timeout=30,
+                       what="the canary to run maxNumSeqs 3")
+            controlplane.kubectl("patch", "infd", name, "-n", ns, "--type=merge", "-p",
+                                 '{"spec":{"autotune":{"mode":"Recommend"}}}')
+            obj = wait_for(controlplane, ns, name, lambda o: _verdict_after(o, third), timeout=60,
+                           what="the canary to stand down", operator=op)
+            stood = _verdict_after(obj, third)
+            log(f"canary: Recommend mid-canary after {time.monotonic() - t0:.0f}s: {stood['message']}")
+            assert stood["action"] == "RollBack" and not stood.get("canary"), stood     # no verdict was given
+            assert "autotune mode is Recommend" in stood["message"] and f"{canary} was set back" in stood["message"]
+            assert obj["status"]["engine"]["maxNumSeqs"] == kept and not obj["status"]["tuning"].get("pending")
+            assert not any(r["knobs"]["maxNumSeqs"] == 3 for r in obj["status"]["tuning"]["rejected"])  # not barred
+            assert set(_seqs(pod_node, ns, name, key).values()) == {kept}
         log(f"canary: load {load.stats}")
         assert load.stats.failed == 0, load.stats.errors
         evs = tuning_events(controlplane, ns, name, including=("TuningKeep", "TuningRollBack"))

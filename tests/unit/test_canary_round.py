@@ -5,16 +5,23 @@ each pod's figures come from its own series only. The I/O half runs in
 tests/integration/test_canary_replicas.py against three real engines."""
 from __future__ import annotations
 
+import json
+import socket
+
 import pytest
 
 from kvtune_operator.effective import effective_engine
 from kvtune_operator.model import AutotuneMode
+from kvtune_operator.reconcile import Reconciler
+from kvtune_operator.settings import Settings
 from kvtune_operator.tuner.canary import PodFigures, judge_canary
-from kvtune_operator.tuning import tick
+from kvtune_operator.tuning import TuningLoop, tick
 from kvtune_operator.tuning_canary import CanaryTarget, choose_target, judged, lost, pod_figures, ready_pods
 from kvtune_operator.tuning_state import state_from_status
 
+from test_operator_reconcile import FakeKube
 from test_operator_tuning import PROFILE, infd, plan_of, window
+from test_tuner_state import stored
 
 TARGET = CanaryTarget("chat-a", "http://10.0.0.1:8001", ("chat-b", "chat-c"))
 NOW = 1_000_000.0
@@ -124,3 +131,37 @@ def test_the_canary_is_a_ready_scraped_pod_and_needs_a_control():
     assert ready_pods(pods) == {"chat-a", "chat-b"}
     assert choose_target(ready_pods(pods), scraped) == CanaryTarget("chat-a", "http://a", ("chat-b",))
     assert choose_target(ready_pods(pods), {"chat-a": "http://a"}) is None   # no control scraped: before/after
+
+
+def test_a_canary_turned_off_is_set_back_then_dropped_not_left_running(started):
+    """Autotune turned Off (or Recommend) mid-canary: nothing is judged or promoted in those modes, so
+    the round that comes at once (Off runs no other round) sets the canary back to what status.engine
+    makes every pod run; a canary that cannot be reached is tried again, then dropped after two
+    windows, saying it runs the change until it restarts."""
+    obj, res = started
+    with socket.socket() as s:  # a closed loopback port: the canary's admin API does not answer
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    status = stored({}, res.status_update)
+    status["tuning"]["pending"]["canary"]["url"] = url
+    kube = FakeKube()
+    kube.add_infd({}, name="chat")
+    raw = kube.infd("chat")
+    raw["spec"] = json.loads(obj.spec.model_dump_json(by_alias=True, exclude_none=True))
+    raw["spec"]["autotune"]["mode"] = "Off"
+    raw["status"] = status
+    kube.pods = [{"metadata": {"name": n}, "status": {"podIP": "127.0.0.1"}} for n in ("chat-a", "chat-b", "chat-c")]
+    settings = Settings.from_env({"KVTUNE_PROMETHEUS_URL": "http://127.0.0.1:9", "KVTUNE_ALLOW_LOOPBACK_ENGINES": "1"})
+    now = [NOW + 30]
+    loop = TuningLoop(Reconciler(kube, settings), settings, clock=lambda: now[0])
+    memo: dict = {"tuned_at": NOW}  # Off: the interval is not waited for
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
+    t = kube.infd("chat")["status"]["tuning"]
+    assert t["pending"]["canary"]["pod"] == "chat-a" and "autotune mode is Off" in t["message"]
+    assert "setting canary pod chat-a back failed" in t["message"] and "trying again" in t["message"]
+    now[0] = NOW + 2 * 120 + 31  # two windows: dropped, unjudged and unbarred
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo)
+    t = kube.infd("chat")["status"]["tuning"]
+    assert "pending" not in t and t["history"][-1]["action"] == "RollBack" and not t.get("rejected")
+    assert "could not be set back" in t["history"][-1]["message"] and "until it is restarted" in t["history"][-1]["message"]
+    assert loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), memo) is None  # Off: no more rounds
