@@ -536,6 +536,11 @@ class CanarySpec(CRDModel):
     before/after verdict."""
 
     gates: CanaryGates | None = Field(None, description="What the canary must show to be promoted.")
+    max_windows: int | None = Field(
+        None, ge=1, le=10, description="Windows a canary may run while its goodput gate reads within the sampling "
+                                       "noise of its limit (its share of requests is a sample): it measures on, "
+                                       "and at the last window the figures decide as they are. Default 3; 1 "
+                                       "judges after one window whatever the noise.")
 
 
 #: Where autotune.interval and autotune.window may go (seconds): a round more often than every 5 s

@@ -558,7 +558,8 @@ class TuningLoop:
         changes = dict(pending.changes)
         undo = {k: pending.before[k] for k in changes}
         elapsed = now - run.started_at.timestamp()
-        window = min(plan.window_s, elapsed)
+        gates = gates_of(spec)
+        window = min(elapsed, gates.max_windows * plan.window_s)  # all it ran: an unsettled verdict measures on
         pods = self.reconciler.kube.list_pods(namespace, selector_string(name))
         own = self._own_ips(pods)
         if run.pod not in {(p.get("metadata") or {}).get("name") for p in pods}:
@@ -611,8 +612,10 @@ class TuningLoop:
         current = effective_engine(spec, status, plan.mode).config
         slo = (objectives.slo_ttft_s, objectives.slo_tpot_s)
         canary, measured = pod_figures(w.series, run.pod, window, current.with_changes(**changes), *slo)
-        j = judge_canary(canary, [pod_figures(w.series, x, window, current, *slo)[0] for x in controls],
-                         gates_of(spec), window)
+        j = judge_canary(canary, [pod_figures(w.series, x, window, current, *slo)[0] for x in controls], gates, window)
+        if not j.settled and elapsed < gates.max_windows * plan.window_s:
+            return waiting(status, f"canary pod {run.pod} after {elapsed:.0f}s: its gates read within their sampling "
+                                   f"noise ({j.reason}); measuring on, for at most {gates.max_windows} windows")
         if not j.promote:
             try:
                 engine.set_config(undo)

@@ -14,7 +14,7 @@ window starts again).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
 
 from kvtune_engine.config import EngineConfig
@@ -86,7 +86,8 @@ def pod_figures(series: Iterable[Mapping[str, Any]], pod: str, window_s: float, 
 
 def gates_of(spec: InferenceDeploymentSpec) -> Gates:
     canary = spec.autotune.canary if spec.autotune else None
-    return canary.gates.gates() if canary is not None and canary.gates is not None else Gates()
+    gates = canary.gates.gates() if canary is not None and canary.gates is not None else Gates()
+    return replace(gates, max_windows=canary.max_windows) if canary is not None and canary.max_windows else gates
 
 
 def canary_run(target: CanaryTarget, now: float) -> dict[str, Any]:

@@ -91,3 +91,31 @@ def test_gates_in_the_spec_and_the_verdict_in_status():
     # a zero control writes no infinity into JSON
     z = judge_canary(pod("chat-0", 0.5), [pod("chat-1", 0.0)])
     assert z.promote and CanaryStatus.of(z).dump()["gates"][0]["value"] == 1e9
+
+
+def test_a_gate_within_its_sampling_noise_is_not_settled_until_the_sample_is_large_enough():
+    """The canary's attainment is a sample of its share of the requests: a ratio of 0.88 against a 0.9
+    gate on 200 requests is within its noise (the point estimate reverts it, the verdict is not
+    settled: the round measures on); a ratio of 0.7 or 1.05 on as few requests is clear of it."""
+    close = judge_canary(pod("chat-0", 0.8 * 0.88), CONTROLS)
+    assert not close.promote and not close.settled and "within sampling noise" in close.gates[0].note
+    assert judge_canary(pod("chat-0", 0.8 * 0.7), CONTROLS).settled
+    assert judge_canary(pod("chat-0", 0.8 * 1.05), CONTROLS).settled and judge_canary(pod("chat-0", 0.84), CONTROLS).promote
+    # the same ratios on fifty times the requests: the noise shrinks, 0.8 of the limit is clear of it
+    big = [pod("chat-1", 0.8, n=10_000), pod("chat-2", 0.8, n=11_000)]
+    assert judge_canary(pod("chat-0", 0.8 * 0.85, n=10_000), big).settled
+    assert canary.attainment_margin(pod("c", 0.72), canary.pooled(CONTROLS), 0.9) == pytest.approx(0.0)
+    # with no goodput on either side there is no binomial to allow for: the point estimate settles it
+    assert judge_canary(pod("chat-0", 0.0, tokens_per_request=89.0), [pod("chat-1", 0.0)]).settled
+
+
+def test_how_long_a_canary_may_measure_is_in_the_spec():
+    spec = AutotuneSpec.model_validate({"canary": {"maxWindows": 1}})
+    assert spec.canary.max_windows == 1
+    assert AutotuneSpec.model_validate({"canary": {}}).canary.max_windows is None  # Gates' default, 3
+    assert Gates().max_windows == canary.DEFAULT_MAX_WINDOWS == 3
+    for bad in (0, 11):
+        with pytest.raises(ValueError):
+            AutotuneSpec.model_validate({"canary": {"maxWindows": bad}})
+    with pytest.raises(ValueError, match="maxWindows must be >= 1"):
+        Gates(max_windows=0)

@@ -13,11 +13,19 @@ before/after rule, a fall of more than 10% is a regression), and, when set, its 
 before/after rule, when neither side has any goodput (deep overload) output throughput per request
 offered stands in for attainment.
 
+The canary serves only its share of the window's requests, so its slo attainment carries a sampling
+noise of its own (a few percent on a few hundred requests): a change whose true ratio is near the
+gate often reads as just beyond it. The goodput gate therefore allows for it: its margin from the
+limit is measured in standard errors of the two attainments (binomial), and a gate within ``Z`` of
+its limit is not settled. An unsettled verdict measures on, the window growing, up to
+``Gates.max_windows`` windows; at the last the point estimate decides.
+
 Invariant: ``judge_canary`` is pure (figures in, verdict out) and promotes only when every gate
 passes; one replica has no control, so it keeps the before/after verdict (``canary_applies``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -27,6 +35,10 @@ from .decide import Objectives, judge
 DEFAULT_GOODPUT_RATIO_MIN = 1 - Objectives().regression_threshold
 #: under this slo attainment on both sides goodput says nothing: throughput decides (as decide._compare)
 NO_GOODPUT = 0.01
+#: standard errors a gate's figure must be from its limit to settle the verdict (one-sided 95%)
+Z = 1.645
+#: windows a canary may run while its goodput gate stays within its sampling noise
+DEFAULT_MAX_WINDOWS = 3
 
 
 def canary_applies(replicas: int) -> bool:
@@ -39,8 +51,11 @@ class Gates:
     goodput_ratio_min: float = DEFAULT_GOODPUT_RATIO_MIN
     ttft_p99_ratio_max: float | None = None
     error_rate_max: float | None = None
+    max_windows: int = DEFAULT_MAX_WINDOWS
 
     def __post_init__(self) -> None:
+        if self.max_windows < 1:
+            raise ValueError(f"maxWindows must be >= 1, got {self.max_windows}")
         if self.goodput_ratio_min < 0:
             raise ValueError(f"goodputRatioMin must be >= 0, got {self.goodput_ratio_min}")
         if self.ttft_p99_ratio_max is not None and self.ttft_p99_ratio_max <= 0:
@@ -82,6 +97,7 @@ class GateResult:
     limit: float
     passed: bool
     note: str = ""
+    settled: bool = True            # False: within the sampling noise of its limit (``Z``)
 
 
 @dataclass(frozen=True)
@@ -96,6 +112,11 @@ class CanaryJudgement:
     @property
     def verdict(self) -> str:
         return "Promote" if self.promote else "Revert"
+
+    @property
+    def settled(self) -> bool:
+        """Whether every gate read clear of its sampling noise (else a longer window may say otherwise)."""
+        return all(g.settled for g in self.gates)
 
 
 def pooled(controls: Sequence[PodFigures]) -> PodFigures:
@@ -116,13 +137,17 @@ def judge_canary(canary: PodFigures, controls: Sequence[PodFigures], gates: Gate
     """Promote or revert the change the ``canary`` runs, against ``controls`` over the same window."""
     ctl = pooled(controls)
     results: list[GateResult] = []
+    r = gates.goodput_ratio_min
     if canary.slo_attainment < NO_GOODPUT and ctl.slo_attainment < NO_GOODPUT:
         c, k, note = canary.tokens_per_request, ctl.tokens_per_request, "output tokens per request: no goodput on either side"
+        settled = True  # no sampling model for token counts: the point estimate decides
     else:
         c, k, note = canary.slo_attainment, ctl.slo_attainment, "slo attainment"
+        margin = attainment_margin(canary, ctl, r)
+        settled = abs(margin) >= Z
+        note += "" if settled else f", within sampling noise ({abs(margin):.1f} standard errors of the limit)"
     ratio = c / k if k > 0 else (1.0 if c <= 0 else float("inf"))
-    results.append(GateResult("goodputRatioMin", c, k, ratio, gates.goodput_ratio_min,
-                              ratio >= gates.goodput_ratio_min, note))
+    results.append(GateResult("goodputRatioMin", c, k, ratio, r, ratio >= r, note, settled))
     if gates.ttft_p99_ratio_max is not None:
         if canary.ttft_p99_s is None or ctl.ttft_p99_s is None:
             results.append(GateResult("ttftP99RatioMax", canary.ttft_p99_s or 0.0, ctl.ttft_p99_s, 0.0,
@@ -141,6 +166,17 @@ def judge_canary(canary: PodFigures, controls: Sequence[PodFigures], gates: Gate
     reason = (f"canary {canary.pod} vs {len(controls)} control(s) over the same window: "
               f"{'promoted' if promote else 'reverted'}; {said}")
     return CanaryJudgement(promote, canary.pod, tuple(c.pod for c in controls), tuple(results), reason, window_s)
+
+
+def attainment_margin(canary: PodFigures, ctl: PodFigures, ratio_min: float) -> float:
+    """How many standard errors the canary's slo attainment is above ``ratio_min`` times the
+    controls' (negative: below): each attainment a binomial share of its own requests, its variance
+    taken at (good + 1) / (requests + 2) so that a share of 0 or 1 still has some."""
+    def var(p: PodFigures) -> float:
+        q = (p.good + 1) / (p.requests + 2)
+        return q * (1 - q) / max(p.requests, 1.0)
+    se = math.sqrt(var(canary) + ratio_min ** 2 * var(ctl))
+    return (canary.slo_attainment - ratio_min * ctl.slo_attainment) / se
 
 
 def _fmt(v: float) -> str:
