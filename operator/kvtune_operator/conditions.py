@@ -21,6 +21,7 @@ TUNED = ConditionType.TUNED.value
 DEGRADED = ConditionType.DEGRADED.value
 ROUNDS_LATE = ConditionType.ROUNDS_LATE.value
 PREDICTIONS_UNRELIABLE = ConditionType.PREDICTIONS_UNRELIABLE.value
+ENGINE_DRIFT = ConditionType.ENGINE_DRIFT.value
 
 #: Container waiting reasons that mean the engine cannot start (not merely "starting").
 FAILING_WAITING_REASONS = {
@@ -62,6 +63,17 @@ def predictions_condition(unreliable: str, error: float | None) -> Cond:
         return Cond(PREDICTIONS_UNRELIABLE, "True", "PredictionErrorHigh", unreliable)
     said = f"running prediction error {error:.0%}" if error is not None else "no verdict has measured a prediction yet"
     return Cond(PREDICTIONS_UNRELIABLE, "False", "PredictionsTrusted", said)
+
+
+def engine_drift(findings: Iterable[str]) -> Cond:
+    """EngineDrift of a vLLM round: True when the engines' cache_config_info contradicts the knobs the
+    operator gave them (`tuner.vllm_drift`, each figure said), False when it agrees."""
+    found = list(findings)
+    if found:
+        return Cond(ENGINE_DRIFT, "True", "CacheConfigDiffers",
+                    ("; ".join(found) + ". The tuner's predictions assume the command line's values.")[:4096])
+    return Cond(ENGINE_DRIFT, "False", "CacheConfigMatches",
+                "vLLM's cache_config_info agrees with the knobs on the pods' command line")
 
 
 def set_condition(conditions: Iterable[dict[str, Any]], cond: Cond, *, generation: int | None,
@@ -231,6 +243,8 @@ def transition_event(old: dict[str, Any] | None, new: dict[str, Any], *,
             return "Normal", "Ready", new["message"]
         if old is not None and old.get("status") == "True":
             return ("Normal" if progressing else "Warning"), "NotReady", new["message"]
+    if t == ENGINE_DRIFT and s == "True":  # what the engine runs is not what the operator believes
+        return "Warning", new["reason"], new["message"]
     if t == PROGRESSING and new["reason"] in ("RolloutComplete", "ProgressDeadlineExceeded") \
             and old is not None and old.get("status") == "True":
         return ("Normal" if new["reason"] == "RolloutComplete" else "Warning"), new["reason"], new["message"]

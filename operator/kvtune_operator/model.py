@@ -740,13 +740,14 @@ class ConditionType(str, Enum):
     DEGRADED = "Degraded"
     ROUNDS_LATE = "RoundsLate"
     PREDICTIONS_UNRELIABLE = "PredictionsUnreliable"
+    ENGINE_DRIFT = "EngineDrift"
 
 
 class Condition(CRDModel):
     """One aspect of the resource's state, in the Kubernetes condition convention."""
 
     type: ConditionType = Field(..., description="Ready, Progressing, MetricsAvailable, Tuned, Degraded, "
-                                                 "RoundsLate or PredictionsUnreliable.")
+                                                 "RoundsLate, PredictionsUnreliable or EngineDrift.")
     status: Literal["True", "False", "Unknown"] = Field(..., description="True, False or Unknown.")
     reason: str = Field(..., min_length=1, max_length=1024, pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$",
                         description="One CamelCase word for machines.")

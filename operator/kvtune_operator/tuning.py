@@ -24,7 +24,8 @@ from pydantic import ValidationError
 
 from . import conditions as c
 from . import operator_metrics
-from .effective import AutotunePlan, baseline_config, effective_engine, resolve_autotune, tuned_status, tuner_settings
+from .effective import (AutotunePlan, baseline_config, effective_engine, left_to_engine, resolve_autotune, tuned_status,
+                        tuner_settings)
 from .model import (KNOBS_BY_CAMEL, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, EngineKnobs, Figures,
                     InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningStatus)
 from .engine_client import EngineClient, EngineError
@@ -65,6 +66,8 @@ class Gathered:
     window_start: float | None = None
     #: pod name -> where Prometheus scrapes it (this deployment's own pods; runtime kvtune)
     instances: dict[str, str] = field(default_factory=dict)
+    #: where the engines' own report contradicts the knobs the operator gave them (runtime vllm)
+    drift: tuple[str, ...] | None = None
 
 
 def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploymentSpec,
@@ -86,10 +89,11 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
                                  f"waiting for at least {MIN_WINDOW_S:.0f}s of metrics under the new knobs")
     if spec.runtime == "vllm":  # no admin API: vLLM's series alone, the knobs from its command line
         objectives = tuner_settings(spec, plan).objectives
-        obs, trace, window = gather_vllm(plan, namespace, name, running or baseline_config(spec), window,
-                                         slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s,
-                                         timeout_s=timeout_s)
-        return Gathered(obs, trace, window, trace_synthesized=True)
+        config = running or baseline_config(spec)
+        obs, trace, window, found = gather_vllm(plan, namespace, name, config, window,
+                                                slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s,
+                                                timeout_s=timeout_s, left_to_engine=left_to_engine(spec, config))
+        return Gathered(obs, trace, window, trace_synthesized=True, drift=tuple(found))
     w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s, max_bytes=max_bytes)
     errors, young = [], []
     for inst in w.instances:
@@ -338,6 +342,8 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         tuning["pending"] = {**tuning["pending"], "canary": canary_run(on_canary, now)}
     out.status_update["tuning"] = replacing(old_tuning, TuningStatus.checked(tuning))
     out.conditions.append(c.predictions_condition(rnd.unreliable, state.prediction_error))
+    if gathered.drift is not None:
+        out.conditions.append(c.engine_drift(gathered.drift))
     settled = rnd.diagnosis.cause == "Healthy" or phase in ("Settled",)
     out.conditions.append(c.Cond("Tuned", "True" if settled else "False", phase, message or rnd.diagnosis.message))
     return out

@@ -16,6 +16,7 @@ from kvtune_engine.config import EngineConfig
 
 from .prometheus import MetricsUnavailable, read_window
 from .tuner.observation import StepSample
+from .tuner.vllm_drift import drift
 from .tuner.vllm_observation import GaugeSample, VllmAssumptions, read_vllm
 
 #: the knobs vLLM's metrics show (cache_config_info); the others are the rendered command line's
@@ -97,8 +98,10 @@ def _engines_changed(series: list[dict[str, Any]], window: float, now: float) ->
 
 def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, window: float, *,
                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = 10.0,
-                now: float | None = None):
-    """(Observation, synthesized trace, window) of the vLLM pods of one InferenceDeployment.
+                now: float | None = None, left_to_engine: frozenset[str] = frozenset()):
+    """(Observation, synthesized trace, window, drift) of the vLLM pods of one InferenceDeployment:
+    ``drift`` the findings where their cache_config_info contradicts ``config``, the knobs on their
+    command line (``left_to_engine``: the knobs not on it), see `tuner.vllm_drift`.
 
     No window that spans a change of the engines is judged: after a rollout the tuner waits for a
     whole window of the new engines alone. A new vLLM's first seconds of serving (its first batches,
@@ -119,4 +122,6 @@ def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, wind
     seen = reading.observation.config
     obs_config = config.with_changes(**{k: getattr(seen, k) for k in READ_BACK})
     obs = reading.observation.with_(config=obs_config, step_samples=tuple(step_samples(w.series or [])))
-    return obs, reading.trace, window
+    infos = {tuple(sorted(s["metric"].items())) for s in w.series or []
+             if s["metric"].get("__name__") == "vllm:cache_config_info"}
+    return obs, reading.trace, window, drift([dict(i) for i in sorted(infos)], config, left_to_engine)

@@ -66,7 +66,7 @@ def test_a_window_that_spans_a_rollout_waits_for_the_new_engines_alone(prometheu
 def test_after_a_rollout_a_whole_window_of_the_new_engine_is_judged(prometheus):
     prometheus.series = (series(OLD, NOW - 60, NOW - 25, 2, NOW - 400) +
                          series(NEW, NOW - 28, NOW, 10, NOW - 140))
-    _, _, window = gather()
+    _, _, window, _ = gather()
     assert window == 20.0 and prometheus.calls == [(20.0, [])]
     assert all(s["metric"]["instance"] == NEW for s in tuning_vllm.read_window(
         "", "ns", "d", window).series)                # the old engine is not in the judged window
@@ -82,5 +82,29 @@ def test_a_new_engine_counts_from_its_first_scrape_not_its_process_start(prometh
 
 def test_the_same_engines_all_along_keep_the_whole_window(prometheus):
     prometheus.series = series(OLD, NOW - 19, NOW, 2, NOW - 400)
-    _, _, window = gather()
+    _, _, window, _ = gather()
     assert window == 20.0 and prometheus.calls == [(20.0, [])]
+
+
+def test_cache_config_info_that_contradicts_the_command_line_is_drift(prometheus):
+    """vLLM's cache_config_info against the knobs the operator rendered: a model length other than
+    the command line's (vLLM 0.32's own labels: 8192 blocks of 128 hold 512 requests of 2048 tokens)
+    is a finding that names both figures; the same labels against a command line of 2048 are none;
+    a knob left to vLLM is never one."""
+    info = {"__name__": "vllm:cache_config_info", "instance": NEW, "block_size": "128", "num_gpu_blocks": "8192",
+            "kv_cache_size_tokens": "1048576", "kv_cache_max_concurrency": "512.0", "enable_prefix_caching": "True",
+            "gpu_memory_utilization": "0.9"}
+    prometheus.series = series(NEW, NOW - 19, NOW, 2, NOW - 400) + [
+        {"metric": info, "values": [[t, "1"] for t in range(int(NOW - 19), int(NOW) + 1)]}]
+    rendered = EngineConfig(max_num_seqs=64, block_size=128, max_model_len=4096)
+    *_, found = tuning_vllm.gather_vllm(Plan(), "ns", "d", rendered, 20.0, now=NOW)
+    assert len(found) == 1 and found[0].startswith(f"{NEW}: vLLM reports room for 512 requests")
+    assert "a model length of about 2048, the command line 4096" in found[0]
+    *_, found = tuning_vllm.gather_vllm(Plan(), "ns", "d", rendered.with_changes(max_model_len=2048), 20.0, now=NOW)
+    assert found == []
+    *_, found = tuning_vllm.gather_vllm(Plan(), "ns", "d", rendered, 20.0, now=NOW,
+                                        left_to_engine=frozenset({"max_model_len"}))
+    assert found == []
+    *_, found = tuning_vllm.gather_vllm(Plan(), "ns", "d", rendered.with_changes(max_model_len=2048, block_size=16),
+                                        20.0, now=NOW)
+    assert found == [f"{NEW}: vLLM reports block_size 128, the command line 16"]
