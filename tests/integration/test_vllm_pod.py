@@ -135,6 +135,9 @@ def test_operator_recommends_then_applies_and_keeps_more_sequences_on_a_real_vll
         assert st["tuning"]["traceSource"] == "synthesized"
         metrics = next(c for c in st["conditions"] if c["type"] == "MetricsAvailable")
         assert metrics["status"] == "True" and "synthesized from vLLM's histograms" in metrics["message"]
+        # vLLM's own cache_config_info agrees with the knobs the operator put on its command line
+        drift = next(c for c in st["conditions"] if c["type"] == "EngineDrift")
+        assert (drift["status"], drift["reason"]) == ("False", "CacheConfigMatches"), drift
         assert load.stats.ok > 0
         dep = get(controlplane, "deployment", name, ns)
         args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
