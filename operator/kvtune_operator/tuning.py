@@ -29,7 +29,8 @@ from .effective import (AutotunePlan, baseline_config, effective_engine, left_to
 from .model import (KNOBS_BY_CAMEL, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosis, EngineKnobs, Figures,
                     InferenceDeployment, InferenceDeploymentSpec, InferenceDeploymentStatus, TuningStatus)
 from .engine_client import EngineClient, EngineError
-from .prometheus import MAX_RESPONSE_BYTES, MetricsUnavailable, check_allowed, pod_host, pod_ips, read_window
+from .prometheus import (MAX_RESPONSE_BYTES, QUERY_DEADLINE_S, MetricsUnavailable, check_allowed, pod_host, pod_ips,
+                         read_window)
 from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
 from .rollout import rollout_failure, rollout_pending
@@ -72,7 +73,7 @@ class Gathered:
 
 def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploymentSpec,
            since_change_s: float | None, *, allowed: tuple[str, ...], pods: set[str],
-           timeout_s: float = 10.0, admin_key: str | None = None, running: EngineConfig | None = None,
+           timeout_s: float = QUERY_DEADLINE_S, admin_key: str | None = None, running: EngineConfig | None = None,
            max_bytes: int = MAX_RESPONSE_BYTES) -> Gathered:
     """Prometheus over the window (never reaching back past the last change, nor past the start of
     the engine it reads: after a restart change, the new pods' start), then the state, trace and step
@@ -551,7 +552,7 @@ class TuningLoop:
 
     @staticmethod
     def _engine(url: str, admin_key: str | None, own: set[str]) -> EngineClient:
-        return EngineClient(url, admin_key=admin_key, key_only_to=own, deadline_s=10.0)
+        return EngineClient(url, admin_key=admin_key, key_only_to=own, deadline_s=QUERY_DEADLINE_S)
 
     def _canary_round(self, namespace: str, name: str, infd: InferenceDeployment, plan: AutotunePlan,
                       now: float) -> TickResult:
@@ -579,7 +580,7 @@ class TuningLoop:
             if window < MIN_WINDOW_S:
                 raise MetricsUnavailable("WindowTooShort", f"the canary has run the change for {elapsed:.0f}s; "
                                          f"waiting for at least {MIN_WINDOW_S:.0f}s of its metrics")
-            w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=10.0)
+            w = read_window(plan.prometheus_url, namespace, name, window)
         except MetricsUnavailable as e:
             return TickResult(conditions=[c.Cond("MetricsAvailable", "False", e.reason,
                                                  f"{e}. The canary keeps waiting for its verdict.")])

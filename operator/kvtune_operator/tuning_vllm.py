@@ -14,7 +14,7 @@ from typing import Any
 
 from kvtune_engine.config import EngineConfig
 
-from .prometheus import MetricsUnavailable, read_window
+from .prometheus import QUERY_DEADLINE_S, MetricsUnavailable, read_window
 from .tuner.observation import StepSample
 from .tuner.vllm_drift import drift
 from .tuner.vllm_observation import GaugeSample, VllmAssumptions, read_vllm
@@ -97,7 +97,7 @@ def _engines_changed(series: list[dict[str, Any]], window: float, now: float) ->
 
 
 def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, window: float, *,
-                slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = 10.0,
+                slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = QUERY_DEADLINE_S,
                 now: float | None = None, left_to_engine: frozenset[str] = frozenset()):
     """(Observation, synthesized trace, window, drift) of the vLLM pods of one InferenceDeployment:
     ``drift`` the findings where their cache_config_info contradicts ``config``, the knobs on their

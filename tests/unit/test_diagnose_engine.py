@@ -129,3 +129,10 @@ def test_kvtune_diagnose_unreachable_engine_is_one_clear_error():
     assert r.exit_code != 0
     assert "cannot reach the engine at http://127.0.0.1:9" in r.output
     assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("bad", ["0", "-5", "soon"])
+def test_kvtune_diagnose_refuses_a_timeout_that_is_not_a_positive_number(bad):
+    r = CliRunner().invoke(main, ["diagnose", "--url", "http://127.0.0.1:9", "--timeout", bad])
+    assert r.exit_code == 2 and "--timeout" in r.output and "Traceback" not in r.output
+    assert "x>0" in r.output or "is not a valid float" in r.output  # what is allowed

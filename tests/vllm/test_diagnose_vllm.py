@@ -31,6 +31,15 @@ def model_dir(tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def seq_cap_vllm(model_dir, tmp_path_factory):
+    """One vLLM at max_num_seqs 2 for both sequence-cap tests (a vLLM start costs about a minute on two
+    cores): each test drives its own load and judges its own window, the server idle in between."""
+    with VllmServer(model_dir, tmp_path_factory.mktemp("vllm-seqcap"), kv_cache_gib=1,
+                    args=["--max-num-seqs", "2", "--max-model-len", "1024"]) as srv:
+        yield srv
+
+
 def diagnose(url: str, *extra: str, window: float = 8.0) -> dict:
     out = subprocess.run([KVTUNE, "diagnose", "--url", url, "--window", str(window), "--json", *extra],
                          capture_output=True, text=True, timeout=120)
@@ -63,18 +72,19 @@ def wait_for_queue(srv: VllmServer, timeout_s: float = 120.0) -> None:
     raise AssertionError(f"no request waited in vLLM within {timeout_s:g} s of the load's start")
 
 
-def test_sequence_cap_on_real_vllm(model_dir, tmp_path):
+def test_sequence_cap_on_real_vllm(model_dir, seq_cap_vllm):
     """max_num_seqs 2 and 8 clients sending back to back, KV nearly empty: SequenceCap, a higher cap
     suggested. The clients go on until both diagnoses are done (the one-scrape one taken mid-window), so
     the queue lasts however late a busy vLLM answers /metrics (on CI an 8 s window took ~40 s).
-    Time (~1.5 min): vLLM's start-up on two cores (about a minute) and the window."""
-    with VllmServer(model_dir, tmp_path, kv_cache_gib=1, args=["--max-num-seqs", "2", "--max-model-len", "1024"]) as srv:
-        with ClosedLoop(srv.url, str(model_dir), clients=8, prompt_tokens=48, output_tokens=160) as load:
-            wait_for_queue(srv)
-            one_scrape = diagnose_text_started(srv.url, "--assume-max-num-seqs", "2")
-            got = diagnose(srv.url, "--assume-max-num-seqs", "2")
-            text = text_of(one_scrape)
-            done = load.stop()
+    Time (~1.5 min, the first of the two on the shared server): vLLM's start-up on two cores (about a
+    minute) and the window."""
+    srv = seq_cap_vllm
+    with ClosedLoop(srv.url, str(model_dir), clients=8, prompt_tokens=48, output_tokens=160) as load:
+        wait_for_queue(srv)
+        one_scrape = diagnose_text_started(srv.url, "--assume-max-num-seqs", "2")
+        got = diagnose(srv.url, "--assume-max-num-seqs", "2")
+        text = text_of(one_scrape)
+        done = load.stop()
     assert done and all(r["completion_tokens"] == 160 for r in done)
     assert got["engine"] == "vllm"
     d = got["diagnosis"]
@@ -95,25 +105,25 @@ def decode_rate(url: str, model: str, tokens: int = 64) -> float:
     return got[0]["completion_tokens"] / (time.monotonic() - began)
 
 
-def test_sequence_cap_inferred_on_real_vllm(model_dir, tmp_path):
+def test_sequence_cap_inferred_on_real_vllm(model_dir, seq_cap_vllm):
     """The issue's case: max_num_seqs 2 and 16 concurrent long requests, diagnosed with no --assume
     flag. vLLM exports no cap; the running plateau while 14 wait is it, and the diagnosis says so with
     its evidence (vLLM's default cap of 256 named TokenBudget here, against steps of a few tokens).
     Each request lasts at least ~4 s at the rate measured first, and the 16 clients send back to back
     until the diagnoses are done, so the queue lasts the whole window however slow the machine is.
     One scrape (--window 0) is too little evidence: the text says so and names the flag.
-    Time (~2 min): vLLM's start-up on two cores and the window."""
-    with VllmServer(model_dir, tmp_path, kv_cache_gib=1, args=["--max-num-seqs", "2", "--max-model-len", "1024"]) as srv:
-        rate = decode_rate(srv.url, str(model_dir))
-        out_tokens = int(min(900, max(160, 4 * rate)))
-        with ClosedLoop(srv.url, str(model_dir), clients=16, prompt_tokens=48, output_tokens=out_tokens) as load:
-            wait_for_queue(srv)
-            one_scrape = diagnose_text_started(srv.url)
-            window_text = subprocess.Popen([KVTUNE, "diagnose", "--url", srv.url, "--window", "8"],
-                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            got = diagnose(srv.url)
-            text, thin = text_of(window_text), text_of(one_scrape)
-            done = load.stop()
+    Time (~1 min on the shared server, 2 with its start-up): the rate measurement and the window."""
+    srv = seq_cap_vllm
+    rate = decode_rate(srv.url, str(model_dir))
+    out_tokens = int(min(900, max(160, 4 * rate)))
+    with ClosedLoop(srv.url, str(model_dir), clients=16, prompt_tokens=48, output_tokens=out_tokens) as load:
+        wait_for_queue(srv)
+        one_scrape = diagnose_text_started(srv.url)
+        window_text = subprocess.Popen([KVTUNE, "diagnose", "--url", srv.url, "--window", "8"],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        got = diagnose(srv.url)
+        text, thin = text_of(window_text), text_of(one_scrape)
+        done = load.stop()
     assert done and all(r["completion_tokens"] == out_tokens for r in done)
     d = got["diagnosis"]
     assert d["cause"] == "SequenceCap", (d, got["assumed"], got["unknown"])
