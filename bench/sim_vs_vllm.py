@@ -75,6 +75,24 @@ mean TTFT / mean TPOT / client mean e2e:
   +12.4% (the old rule on the same run: throughput -26.7%, 1982 preemptions). TTFT is still just
   over 10%: both queues are minutes long at this rate (mean TTFT 60 s), and the simulated queue's
   tail (p99 +93%) is the last arrivals waiting longer.
+
+Measured again on a quiet machine (1 s scrapes, the default sizing; ``--keep`` runs re-evaluated with
+``--replay``), throughput / mean TTFT / mean TPOT / client mean e2e:
+
+* base (471 requests at 11.8/s): -1.6% / -5.2% / -7.3% / -9.4%;
+* shared-prefix (429 requests at 10.7/s, hit rate 0.909 on both sides): +1.9% / -55.5% / -8.2% /
+  -24.5%. vLLM stalled for about a second at 34 s (its running gauge at 0, then 16 running and 7
+  waiting at the next scrape): the queue of that burst is most of its TTFT (mean queue 22 ms against
+  1.4 ms on a run without a stall). Run again: -0.4% / -11.5% / -4.7% / -7.4%; the 2.9 ms left is
+  about vLLM's frontend (its TTFT less its own queue, prefill and half a step is 5-6 ms on every run
+  here), which the simulator does not model;
+* preemption (505 requests, 269 preemptions on both sides): -6.7% / +12.1% / +7.0% / +11.7% with the
+  step costs fitted on vLLM's counts. vLLM's ``iteration_tokens_total`` leaves out the recompute of
+  preempted requests (its sum was exactly ``prompt_tokens_total + generation_tokens_total``), so the
+  fit charged each counted token for the uncounted ones (96.6 us/token against the base run's 73.8,
+  1.31x: the simulator recomputed 31% more tokens than vLLM counted). Counting each preemption as a
+  mean prompt recomputed (``vllm_observation.recomputed_tokens``, the operator's fit does the same):
+  -1.2% / +2.1% / +0.1% / +2.0%.
 """
 from __future__ import annotations
 
@@ -100,9 +118,10 @@ from kvtune_engine.sim.simulator import simulate  # noqa: E402
 from kvtune_engine.sim.trace import TraceRequest  # noqa: E402
 from kvtune_engine.sim.vllm_policy import ADMISSION, QUEUE_CLOCK, vllm_v1_config  # noqa: E402
 from kvtune_operator.tuner.fit import fit_step_cost, speed_timeline  # noqa: E402
-from kvtune_operator.tuner.observation import MetricFigures  # noqa: E402
+from kvtune_operator.tuner.observation import MetricFigures, StepSample  # noqa: E402
 from kvtune_operator.tuner.predict import profile_for  # noqa: E402
-from kvtune_operator.tuner.vllm_observation import VllmAssumptions, read_vllm, samples_of_scrapes  # noqa: E402
+from kvtune_operator.tuner.vllm_observation import (  # noqa: E402
+    VllmAssumptions, read_vllm, recomputed_tokens, samples_of_scrapes)
 from tests.vllm.load import replay  # noqa: E402
 from tests.vllm.server import VllmServer, vllm_bin  # noqa: E402
 
@@ -191,15 +210,17 @@ class Scraper(threading.Thread):
             self.stop.wait(max(0.0, self.every - (time.monotonic() - t)))
 
 
-def step_samples(scrapes: list[tuple[float, MetricFigures]]):
-    from kvtune_operator.tuner.observation import StepSample
-
+def step_samples(scrapes: list[tuple[float, MetricFigures]], prompt_tokens_mean: float):
+    """As the operator reads them (tuning_vllm.step_samples), over the bench's own scrapes: each
+    interval's steps and tokens, plus the recompute of its preemptions that vLLM does not count."""
     out = []
     for (ta, a), (tb, b) in zip(scrapes, scrapes[1:]):
         n = (b.hist_count("vllm:iteration_tokens_total") or 0) - (a.hist_count("vllm:iteration_tokens_total") or 0)
         busy = (a.get("vllm:num_requests_running") or 0) > 0 and (b.get("vllm:num_requests_running") or 0) > 0
         if n >= 1 and busy:
             tok = (b.hist_sum("vllm:iteration_tokens_total") or 0) - (a.hist_sum("vllm:iteration_tokens_total") or 0)
+            tok += recomputed_tokens((b.get("vllm:num_preemptions_total") or 0)
+                                     - (a.get("vllm:num_preemptions_total") or 0), prompt_tokens_mean)
             out.append(StepSample(duration_s=(tb - ta) / n, batched_tokens=tok / n, weight=n, t_s=(ta + tb) / 2))
     return out
 
@@ -216,8 +237,6 @@ def prefill_samples(scrapes: list[tuple[float, MetricFigures]], budget: int):
     tokens plus the decodes running beside it and the chunk's causal attention pairs (its queries
     against the cached prefix and each other). One sample per scrape interval in which requests
     finished (both histograms count at the finish), weighted by its prefill steps."""
-    from kvtune_operator.tuner.observation import StepSample
-
     out = []
     for (ta, a), (tb, b) in zip(scrapes, scrapes[1:]):
         n = (b.hist_count(PREFILL) or 0) - (a.hist_count(PREFILL) or 0)
@@ -322,7 +341,9 @@ def evaluate(raw: dict) -> dict:
     reading = read_vllm(window, samples_of_scrapes([s for _, s in scrapes]), window_s=scrapes[-1][0] - scrapes[0][0],
                         assume=VllmAssumptions(max_num_seqs=a["max_num_seqs"],
                                                max_num_batched_tokens=a["max_num_batched_tokens"], max_model_len=2048))
-    samples = step_samples(scrapes) + prefill_samples(scrapes, a["max_num_batched_tokens"])
+    prompts = window.hist_count("vllm:request_prompt_tokens")
+    prompt_mean = (window.hist_sum("vllm:request_prompt_tokens") or 0.0) / prompts if prompts else 0.0
+    samples = step_samples(scrapes, prompt_mean) + prefill_samples(scrapes, a["max_num_batched_tokens"])
     fit = fit_step_cost(samples)
     speed = speed_timeline(samples, fit) if fit is not None else None
     profile: Profile = profile_for(reading.observation, None, fit, speed)

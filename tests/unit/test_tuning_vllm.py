@@ -108,3 +108,20 @@ def test_cache_config_info_that_contradicts_the_command_line_is_drift(prometheus
     *_, found = tuning_vllm.gather_vllm(Plan(), "ns", "d", rendered.with_changes(max_model_len=2048, block_size=16),
                                         20.0, now=NOW)
     assert found == [f"{NEW}: vLLM reports block_size 128, the command line 16"]
+
+
+def test_step_samples_count_the_recompute_vllm_leaves_out():
+    """vLLM's iteration_tokens_total counts prompts once, at their first token: a preempted request's
+    recompute is not in it. Between two scrapes with 3 preemptions and prompts of 280 tokens on
+    average, the interval's tokens are its counted 2000 plus 3 prompts computed again; an interval
+    with no preemption keeps its count."""
+    labels = {"instance": OLD, "namespace": "ns", "inference_deployment": "d"}
+
+    def s(name: str, *values: float) -> dict:
+        return {"metric": {"__name__": name, **labels}, "values": [[NOW + i, str(v)] for i, v in enumerate(values)]}
+    series = [s("vllm:iteration_tokens_total_count", 0, 100, 200), s("vllm:iteration_tokens_total_sum", 0, 2000, 4000),
+              s("vllm:num_requests_running", 8, 8, 8), s("vllm:num_preemptions_total", 5, 8, 8)]
+    first, second = tuning_vllm.step_samples(series, prompt_tokens_mean=280.0)
+    assert first.batched_tokens == pytest.approx((2000 + 3 * 280) / 100) and first.weight == 100
+    assert second.batched_tokens == pytest.approx(20.0)
+    assert [x.batched_tokens for x in tuning_vllm.step_samples(series)] == [20.0, 20.0]  # no prompt mean: as counted
