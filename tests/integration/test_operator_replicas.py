@@ -7,6 +7,9 @@ replica takes half the shards from the first without a round on the same deploym
 one (SIGKILL) hands its deployments to the other within a minute, which then reconciles them (a spec
 edit reaches the engine's ConfigMap) and tunes them. Engine pods are `health_server.py` stand-ins:
 the rounds end in MetricsAvailable False (no engine metrics), which is still a round and its write.
+
+Time (about 35 s): two operator start-ups, a Lease duration for the second replica to take its half,
+and up to a minute (the handover bound the test asserts) after the SIGKILL.
 """
 from __future__ import annotations
 

@@ -128,6 +128,7 @@ def test_status_has_no_defaults_and_bounded_history():
     cond = status["properties"]["conditions"]
     assert cond["x-kubernetes-list-type"] == "map" and cond["x-kubernetes-list-map-keys"] == ["type"]
     assert cond["items"]["properties"]["type"]["enum"] == [
-        "Ready", "Progressing", "MetricsAvailable", "Tuned", "Degraded", "RoundsLate", "PredictionsUnreliable"]
+        "Ready", "Progressing", "MetricsAvailable", "Tuned", "Degraded", "RoundsLate", "PredictionsUnreliable",
+        "EngineDrift"]
     assert set(cond["items"]["required"]) >= {"type", "status", "reason", "lastTransitionTime"}
     assert status["properties"]["diagnosis"]["properties"]["figures"]["x-kubernetes-preserve-unknown-fields"]

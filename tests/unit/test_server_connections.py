@@ -102,6 +102,9 @@ def read_response(c: socket.socket) -> bytes:
 
 
 def test_a_pooled_client_sees_no_reset_connection(tiny_llama, tmp_path):  # noqa: F811
+    """Two rounds of a 256-request burst then streams of at least 8 s on one pool (the resets came
+    about 11 s into the streamed phase), then an idle keep-alive connection held past uvicorn's old
+    timeout. Time (about 25 s): the streams' length, which is the point."""
     log = tmp_path / "serve.log"
     with kvtune_serve(tiny_llama, log) as (url, port):
         done, failures = asyncio.run(pooled_rounds(url, rounds=2, min_stream_s=8.0))

@@ -6,6 +6,7 @@ assume because vLLM does not export them. A missing vLLM venv fails these tests 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -47,17 +48,21 @@ def diagnose(url: str, *extra: str, window: float = 8.0) -> dict:
     return json.loads(out.stdout)
 
 
-def diagnose_text_started(url: str, *extra: str) -> subprocess.Popen:
-    """A one-scrape text diagnosis, started now and read later with ``.communicate()``: started beside
-    a window diagnosis, it scrapes mid-load however long the window takes to close on a busy machine."""
-    return subprocess.Popen([KVTUNE, "diagnose", "--url", url, "--window", "0", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def text_of(proc: subprocess.Popen) -> str:
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    return out
+def one_scrape_mid_load(srv: VllmServer, *extra: str, tries: int = 5) -> str:
+    """A one-scrape text diagnosis (--window 0) taken while the load is on: the scrape that saw nothing
+    running and nothing waiting did not see the load (a busy vLLM renders /metrics in its API server's
+    event loop, and one answered after a long render can find the engine drained) and is taken again.
+    The diagnosis of a scrape that saw the load is what the tests check."""
+    for _ in range(tries):
+        wait_for_queue(srv)
+        out = subprocess.run([KVTUNE, "diagnose", "--url", srv.url, "--window", "0", *extra],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        seen = re.search(r"running (\d+) / max \S+, waiting (\d+)", out.stdout)
+        assert seen, out.stdout
+        if int(seen.group(1)) or int(seen.group(2)):
+            return out.stdout
+    raise AssertionError(f"no one-scrape diagnosis of {tries} saw the load: {out.stdout}")
 
 
 def wait_for_queue(srv: VllmServer, timeout_s: float = 120.0) -> None:
@@ -74,16 +79,16 @@ def wait_for_queue(srv: VllmServer, timeout_s: float = 120.0) -> None:
 
 def test_sequence_cap_on_real_vllm(model_dir, seq_cap_vllm):
     """max_num_seqs 2 and 8 clients sending back to back, KV nearly empty: SequenceCap, a higher cap
-    suggested. The clients go on until both diagnoses are done (the one-scrape one taken mid-window), so
-    the queue lasts however late a busy vLLM answers /metrics (on CI an 8 s window took ~40 s).
+    suggested. The clients go on until both diagnoses are done (the one-scrape one taken after the
+    window, the load still on), so the queue lasts however late a busy vLLM answers /metrics (on CI an
+    8 s window took ~40 s).
     Time (~1.5 min, the first of the two on the shared server): vLLM's start-up on two cores (about a
     minute) and the window."""
     srv = seq_cap_vllm
     with ClosedLoop(srv.url, str(model_dir), clients=8, prompt_tokens=48, output_tokens=160) as load:
         wait_for_queue(srv)
-        one_scrape = diagnose_text_started(srv.url, "--assume-max-num-seqs", "2")
         got = diagnose(srv.url, "--assume-max-num-seqs", "2")
-        text = text_of(one_scrape)
+        text = one_scrape_mid_load(srv, "--assume-max-num-seqs", "2")
         done = load.stop()
     assert done and all(r["completion_tokens"] == 160 for r in done)
     assert got["engine"] == "vllm"
@@ -118,11 +123,12 @@ def test_sequence_cap_inferred_on_real_vllm(model_dir, seq_cap_vllm):
     out_tokens = int(min(900, max(160, 4 * rate)))
     with ClosedLoop(srv.url, str(model_dir), clients=16, prompt_tokens=48, output_tokens=out_tokens) as load:
         wait_for_queue(srv)
-        one_scrape = diagnose_text_started(srv.url)
         window_text = subprocess.Popen([KVTUNE, "diagnose", "--url", srv.url, "--window", "8"],
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         got = diagnose(srv.url)
-        text, thin = text_of(window_text), text_of(one_scrape)
+        out, err = window_text.communicate(timeout=120)
+        assert window_text.returncode == 0, err
+        text, thin = out, one_scrape_mid_load(srv)
         done = load.stop()
     assert done and all(r["completion_tokens"] == out_tokens for r in done)
     d = got["diagnosis"]
