@@ -121,7 +121,7 @@ from kvtune_operator.tuner.fit import fit_step_cost, speed_timeline  # noqa: E40
 from kvtune_operator.tuner.observation import MetricFigures, StepSample  # noqa: E402
 from kvtune_operator.tuner.predict import profile_for  # noqa: E402
 from kvtune_operator.tuner.vllm_observation import (  # noqa: E402
-    VllmAssumptions, read_vllm, recomputed_tokens, samples_of_scrapes)
+    VllmAssumptions, prompt_tokens_mean, read_vllm, recomputed_tokens, samples_of_scrapes)
 from tests.vllm.load import replay  # noqa: E402
 from tests.vllm.server import VllmServer, vllm_bin  # noqa: E402
 
@@ -341,9 +341,7 @@ def evaluate(raw: dict) -> dict:
     reading = read_vllm(window, samples_of_scrapes([s for _, s in scrapes]), window_s=scrapes[-1][0] - scrapes[0][0],
                         assume=VllmAssumptions(max_num_seqs=a["max_num_seqs"],
                                                max_num_batched_tokens=a["max_num_batched_tokens"], max_model_len=2048))
-    prompts = window.hist_count("vllm:request_prompt_tokens")
-    prompt_mean = (window.hist_sum("vllm:request_prompt_tokens") or 0.0) / prompts if prompts else 0.0
-    samples = step_samples(scrapes, prompt_mean) + prefill_samples(scrapes, a["max_num_batched_tokens"])
+    samples = step_samples(scrapes, prompt_tokens_mean(window)) + prefill_samples(scrapes, a["max_num_batched_tokens"])
     fit = fit_step_cost(samples)
     speed = speed_timeline(samples, fit) if fit is not None else None
     profile: Profile = profile_for(reading.observation, None, fit, speed)

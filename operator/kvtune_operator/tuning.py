@@ -408,6 +408,12 @@ def _since_last_change(status: InferenceDeploymentStatus | None, now: float) -> 
     return max(0.0, now - t)
 
 
+def _canary_running(infd: InferenceDeployment) -> bool:
+    """Whether status.tuning.pending names a canary (the one round Off mode still runs sets it back)."""
+    pending = infd.status.tuning.pending if infd.status and infd.status.tuning else None
+    return pending is not None and pending.canary is not None
+
+
 class TuningLoop:
     """One tuning round per deployment every spec.autotune.interval; the kopf timer calls `maybe_tick`
     often. It keeps nothing of its own: kopf's per-object ``memo`` holds when the object was last
@@ -425,11 +431,10 @@ class TuningLoop:
         infd = InferenceDeployment.from_body(body)
         plan = resolve_autotune(infd.spec, self.settings)
         now = self.clock()
-        canary = ((((body.get("status") or {}).get("tuning") or {}).get("pending")) or {}).get("canary")
         if plan.mode == AutotuneMode.OFF:
             memo.pop("tuned_at", None)
             memo.pop("first_due_at", None)
-            if not canary:
+            if not _canary_running(infd):
                 if queue is not None:
                     queue.withdraw((namespace, name))
                 return None
@@ -465,8 +470,7 @@ class TuningLoop:
             return None
         infd = InferenceDeployment.from_body(raw)
         plan = resolve_autotune(infd.spec, self.settings)
-        pending = infd.status.tuning.pending if infd.status.tuning else None
-        if plan.mode == AutotuneMode.OFF and (pending is None or pending.canary is None):
+        if plan.mode == AutotuneMode.OFF and not _canary_running(infd):
             return None  # turned off since kopf's copy: no round (only a canary is set back)
         result = self._round(namespace, name, infd, plan, now)
         error = (result.status_update.get("tuning") or {}).get("predictionError")

@@ -17,7 +17,7 @@ from kvtune_engine.config import EngineConfig
 from .prometheus import QUERY_DEADLINE_S, MetricsUnavailable, read_window
 from .tuner.observation import StepSample
 from .tuner.vllm_drift import drift
-from .tuner.vllm_observation import GaugeSample, VllmAssumptions, read_vllm, recomputed_tokens
+from .tuner.vllm_observation import GaugeSample, VllmAssumptions, prompt_tokens_mean, read_vllm, recomputed_tokens
 
 #: the knobs vLLM's metrics show (cache_config_info); the others are the rendered command line's
 READ_BACK = ("block_size", "gpu_memory_utilization", "enable_prefix_caching")
@@ -123,9 +123,8 @@ def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, wind
                         slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
     seen = reading.observation.config
     obs_config = config.with_changes(**{k: getattr(seen, k) for k in READ_BACK})
-    prompts = w.figures.hist_count("vllm:request_prompt_tokens")
-    prompt_mean = (w.figures.hist_sum("vllm:request_prompt_tokens") or 0.0) / prompts if prompts else 0.0
-    obs = reading.observation.with_(config=obs_config, step_samples=tuple(step_samples(w.series or [], prompt_mean)))
+    samples = step_samples(w.series or [], prompt_tokens_mean(w.figures))
+    obs = reading.observation.with_(config=obs_config, step_samples=tuple(samples))
     infos = {tuple(sorted(s["metric"].items())) for s in w.series or []
              if s["metric"].get("__name__") == "vllm:cache_config_info"}
     return obs, reading.trace, window, drift([dict(i) for i in sorted(infos)], config, left_to_engine)

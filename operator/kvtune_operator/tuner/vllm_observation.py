@@ -76,6 +76,12 @@ def recomputed_tokens(preemptions: float, prompt_tokens_mean: float) -> float:
     return max(0.0, preemptions) * max(0.0, prompt_tokens_mean)
 
 
+def prompt_tokens_mean(figures: MetricFigures) -> float:
+    """The window's mean prompt length (``request_prompt_tokens``), 0 when no request finished."""
+    n = figures.hist_count("vllm:request_prompt_tokens")
+    return (figures.hist_sum("vllm:request_prompt_tokens") or 0.0) / n if n else 0.0
+
+
 def samples_of_scrapes(scrapes: Sequence[MetricFigures]) -> list[GaugeSample]:
     """One sample per scrape; the preemptions and the steps (iteration-tokens histogram) since the
     previous scrape (none for the first)."""
