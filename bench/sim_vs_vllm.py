@@ -361,6 +361,7 @@ def evaluate(raw: dict) -> dict:
     steady_q = [r["queue_s"] for r in steady["per_request"]]
     real_ttft, real_tpot = hist_mean(window, TTFT), hist_mean(window, TPOT)
     sim_ttft, sim_tpot, sim_e2e = latency_means(rows)
+    real_prefill, sim_prefill = hist_mean(window, PREFILL), sum(r["prefill_s"] for r in rows) / len(rows)
     real_e2e = sum(r["latency_s"] for r in results) / len(results)
     st_ttft, st_tpot, st_e2e = latency_means(steady["per_request"])
     hits, queries = window.get("vllm:prefix_cache_hits_total") or 0.0, window.get("vllm:prefix_cache_queries_total") or 0.0
@@ -368,6 +369,10 @@ def evaluate(raw: dict) -> dict:
         "workload": raw.get("workload", "base"),
         "ttft_mean_s": {"vllm": real_ttft, "sim": sim_ttft, "error": err(sim_ttft, real_ttft)},
         "tpot_mean_s": {"vllm": real_tpot, "sim": sim_tpot, "error": err(sim_tpot, real_tpot)},
+        "prefill_mean_s": {"vllm": real_prefill, "sim": sim_prefill, "error": err(sim_prefill, real_prefill)},
+        # TTFT less the engine core's queue and prefill: the wait for the step in progress at intake
+        # (both sides) and the API server's hops to the engine core and back (vLLM only)
+        "ttft_rest_mean_s": {"vllm": real_ttft - real_qmean - real_prefill, "sim": sim_ttft - sim_qmean - sim_prefill},
         "e2e_mean_s": {"vllm": real_e2e, "sim": sim_e2e, "error": err(sim_e2e, real_e2e)},
         "prefix_hit_rate": {"vllm": hits / queries if queries else None, "sim": sim["prefix_cache"]["hit_rate"]},
         "requests": len(trace), "rate_per_s": a["rate"], "max_num_seqs": a["max_num_seqs"],
@@ -411,6 +416,10 @@ def report(out: dict) -> None:
         steady = out["steady"].get(k)
         print(f"{k:<18}{v['vllm']:>12.4f}{v['sim']:>12.4f}{100 * v['error']:>8.1f}%"
               + (f"   {100 * err(steady, v['vllm']):>8.1f}%" if steady is not None else ""))
+    if "prefill_mean_s" in out:
+        p, rest = out["prefill_mean_s"], out["ttft_rest_mean_s"]
+        print(f"TTFT = queue + prefill + rest: prefill {1000 * p['vllm']:.2f} / {1000 * p['sim']:.2f} ms "
+              f"({100 * p['error']:+.1f}%), rest {1000 * rest['vllm']:.2f} / {1000 * rest['sim']:.2f} ms")
     h = out["prefix_hit_rate"]
     if h["vllm"] is not None:
         print(f"prefix hit rate    {h['vllm']:>12.3f}{h['sim']:>12.3f}")

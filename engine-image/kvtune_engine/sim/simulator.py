@@ -82,6 +82,7 @@ class _Acc:
                 self.good += 1
             if self.rows is not None:
                 self.rows.append({"id": req.request_id, "arrival_s": req.arrival_s, "queue_s": self.queue[-1],
+                                  "prefill_s": req.first_token_s - req.first_scheduled_s,
                                   "ttft_s": t1, "e2e_s": self.e2e[-1], "output_tokens": n_out})
 
 
@@ -91,7 +92,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
     """Replay `trace` under `config` on `profile`; the summary dict of `kvtune sim --json`.
 
     `per_request`: also a `per_request` list (finish order) of each started request's `queue_s`,
-    `ttft_s`, `e2e_s`, `output_tokens` (bench/sim_fidelity.py buckets them as the engine would).
+    `prefill_s` (first scheduled to first token), `ttft_s`, `e2e_s`, `output_tokens` (bench/sim_fidelity.py buckets them as the engine would).
     `queue_clock`: where queue time starts, "arrival" (ours) or "intake" (vLLM's; module docstring).
     `admission`: the scheduler's admission rule, "chunk" (ours) or "whole" (vLLM's; core/scheduler.py)."""
     if not trace:
