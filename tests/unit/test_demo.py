@@ -21,7 +21,10 @@ def test_demo_fixes_the_sequence_cap_live_then_low_memory_by_a_restart(tmp_path)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "Before and after" in res.stdout and (out / "report.png").stat().st_size > 20_000
     data = json.loads((out / "demo.json").read_text())
-    applied = {e["phase"]: e for e in data["events"] if e["kind"] == "Apply"}
+    applied: dict[str, dict] = {}  # each phase's first Apply: the fix of its mis-tuning (a busy machine's
+    for e in data["events"]:        # overload can earn a phase a second one, say a higher cap after the memory)
+        if e["kind"] == "Apply":
+            applied.setdefault(e["phase"], e)
     seq, mem = applied["Sequence cap"], applied["Low KV memory"]
     assert seq["restart"] is False and seq["changes"]["max_num_seqs"] > 2, seq
     assert mem["restart"] is True and mem["changes"].get("gpu_memory_utilization", 0) > 0.09, mem
