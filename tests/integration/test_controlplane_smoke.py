@@ -14,7 +14,7 @@ import yaml
 
 from .waiting import eventually
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.wallclock]
 
 
 

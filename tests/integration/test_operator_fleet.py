@@ -43,7 +43,7 @@ from .e2e_load import served_rate
 from .test_operator_cluster import OperatorProcess, _make_namespace, condition, crd  # noqa: F401 - crd is a fixture
 from .waiting import eventually
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.wallclock]
 
 NAMESPACES, PER_NAMESPACE = 5, 6
 PROFILES = ("h200-qwen3-0.6b", "a100-llama3-8b", "l20-qwen3-8b")

@@ -28,7 +28,7 @@ from tests.infd import infd_body
 from .test_operator_cluster import HEALTH_SERVER, OperatorProcess, _make_namespace
 from .waiting import eventually
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.wallclock]
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARDS = 16

@@ -19,7 +19,7 @@ import pytest
 
 from .waiting import eventually
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.wallclock]
 
 HEALTH_SERVER = Path(__file__).with_name("health_server.py")
 #: 100 lines of 30 bytes or so: more than the kubelet keeps (the last 80 lines, then their last

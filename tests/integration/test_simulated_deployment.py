@@ -20,7 +20,7 @@ from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
 )
 from .waiting import eventually
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.wallclock]
 
 LABEL = "kvtune.io/inference-deployment"
 
