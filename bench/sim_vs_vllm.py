@@ -22,16 +22,18 @@ Needs ``bash tests/vllm/setup.sh``. What is compared, and why so:
 * queue time: vLLM's own ``vllm:request_queue_time_seconds`` histogram (vLLM exports no per-request
   figure); the simulator's per-request queue times are put in the same buckets and both quantiles
   are read with the same interpolation, plus the exact means (histogram sum / count);
-* step costs: vLLM times no step, so between two scrapes (every 1 s) with requests running the
-  whole time, the interval divided by the steps taken (``iteration_tokens_total``'s count) is one
-  sample of the step time at that interval's tokens per step; and the prefill steps, which those
-  means hide among the decodes, are sampled from vLLM's per-request prefill time over the chunks of
-  the tokens it computed (`prefill_samples`). The simulator's cost model is fitted to both
-  (``tuner.fit``), its memory picture to vLLM's ``cache_config_info``. From interval means alone the
-  fit charged a 256-token prefill step 169 ms where vLLM took 80 ms (TTFT +100% on the preemption
-  workload's first run) and missed the attention a 48-token suffix pays over a cached 640-token
-  prefix (TTFT -21% on the shared-prefix one): +5.1% and +6.5% with the prefill samples, from the
-  same kept runs;
+* step costs and frontend time: vLLM times no step, so both come from its counters between two
+  scrapes (``tuner.vllm_steps``, which the operator's vLLM rounds and ``kvtune tune --url`` read too):
+  interval samples (the interval over the steps taken), prefill samples (vLLM's per-request prefill
+  time over the chunks of the tokens it computed, with the prompts that arrived during the step
+  before and so share its step), and the API server's time outside the engine core that the
+  simulator does not step (``Profile.frontend_s``: e2e less queue less inference, less half the
+  step an arrival lands in). The simulator's cost model is fitted to the samples (``tuner.fit``),
+  its memory picture to vLLM's ``cache_config_info``. From interval means alone the fit charged a
+  256-token prefill step 169 ms where vLLM took 80 ms (TTFT +100% on the preemption workload's first
+  run); counting each prefill's step as its own charged a step two prompts shared to one (prefill
+  +18.7% on the base run below), and without the frontend the simulated TTFT was short by the API
+  server's ~4 ms (shared-prefix -10.9%);
 * the scheduler policy: vLLM V1 (always-chunked prefill, recompute-only preemption, no watermark,
   FCFS with running requests first) is `kvtune_engine.sim.vllm_policy.vllm_v1_config`;
 * the machine's speed over the run: the fitted profile's speed timeline (``fit.speed_timeline``, 2 s
@@ -76,6 +78,14 @@ mean TTFT / mean TPOT / client mean e2e:
   over 10%: both queues are minutes long at this rate (mean TTFT 60 s), and the simulated queue's
   tail (p99 +93%) is the last arrivals waiting longer.
 
+With ``tuner.vllm_steps`` (shared prefills, frontend), the kept runs of the quiet machine below
+(307 / 332 / 713 requests; ``--replay``), throughput / mean TTFT / mean TPOT / client mean e2e:
+base -0.3% / +4.6% / -2.9% / -3.1% (its prefill +10.8%, was +18.7%), shared-prefix -0.6% /
++1.1% / -2.5% / -3.6% (TTFT was -10.9%), preemption -1.4% / +6.1% / +1.2% / +5.8% (its prefill,
++54% (was +65%), is a small part of a TTFT of 54 s spent queueing). Before, on the
+same runs: -0.3% / +0.1% / -2.9% / -3.4%, -0.6% / -10.9% / -2.0% / -3.8%, -1.2% / +6.1% / +0.8% /
++5.8%: base's TTFT was right because its prefill, 18.7% slow, hid its missing frontend.
+
 Measured again on a quiet machine (1 s scrapes, the default sizing; ``--keep`` runs re-evaluated with
 ``--replay``), throughput / mean TTFT / mean TPOT / client mean e2e:
 
@@ -91,7 +101,7 @@ Measured again on a quiet machine (1 s scrapes, the default sizing; ``--keep`` r
   preempted requests (its sum was exactly ``prompt_tokens_total + generation_tokens_total``), so the
   fit charged each counted token for the uncounted ones (96.6 us/token against the base run's 73.8,
   1.31x: the simulator recomputed 31% more tokens than vLLM counted). Counting each preemption as a
-  mean prompt recomputed (``vllm_observation.recomputed_tokens``, the operator's fit does the same):
+  mean prompt recomputed (``vllm_steps.recomputed_tokens``, the operator's fit does the same):
   -1.2% / +2.1% / +0.1% / +2.0%.
 """
 from __future__ import annotations
@@ -118,10 +128,11 @@ from kvtune_engine.sim.simulator import simulate  # noqa: E402
 from kvtune_engine.sim.trace import TraceRequest  # noqa: E402
 from kvtune_engine.sim.vllm_policy import ADMISSION, QUEUE_CLOCK, vllm_v1_config  # noqa: E402
 from kvtune_operator.tuner.fit import fit_step_cost, speed_timeline  # noqa: E402
-from kvtune_operator.tuner.observation import MetricFigures, StepSample  # noqa: E402
+from kvtune_operator.tuner.observation import MetricFigures  # noqa: E402
 from kvtune_operator.tuner.predict import profile_for  # noqa: E402
 from kvtune_operator.tuner.vllm_observation import (  # noqa: E402
-    VllmAssumptions, prompt_tokens_mean, read_vllm, recomputed_tokens, samples_of_scrapes)
+    VllmAssumptions, prompt_tokens_mean, read_vllm, samples_of_scrapes)
+from kvtune_operator.tuner.vllm_steps import PREFILL, Scrape, frontend_s, step_samples  # noqa: E402
 from tests.vllm.load import replay  # noqa: E402
 from tests.vllm.server import VllmServer, vllm_bin  # noqa: E402
 
@@ -210,55 +221,6 @@ class Scraper(threading.Thread):
             self.stop.wait(max(0.0, self.every - (time.monotonic() - t)))
 
 
-def step_samples(scrapes: list[tuple[float, MetricFigures]], prompt_tokens_mean: float):
-    """As the operator reads them (tuning_vllm.step_samples), over the bench's own scrapes: each
-    interval's steps and tokens, plus the recompute of its preemptions that vLLM does not count."""
-    out = []
-    for (ta, a), (tb, b) in zip(scrapes, scrapes[1:]):
-        n = (b.hist_count("vllm:iteration_tokens_total") or 0) - (a.hist_count("vllm:iteration_tokens_total") or 0)
-        busy = (a.get("vllm:num_requests_running") or 0) > 0 and (b.get("vllm:num_requests_running") or 0) > 0
-        if n >= 1 and busy:
-            tok = (b.hist_sum("vllm:iteration_tokens_total") or 0) - (a.hist_sum("vllm:iteration_tokens_total") or 0)
-            tok += recomputed_tokens((b.get("vllm:num_preemptions_total") or 0)
-                                     - (a.get("vllm:num_preemptions_total") or 0), prompt_tokens_mean)
-            out.append(StepSample(duration_s=(tb - ta) / n, batched_tokens=tok / n, weight=n, t_s=(ta + tb) / 2))
-    return out
-
-
-PREFILL = "vllm:request_prefill_time_seconds"
-COMPUTED = "vllm:request_prefill_kv_computed_tokens"
-
-
-def prefill_samples(scrapes: list[tuple[float, MetricFigures]], budget: int):
-    """Step costs of the prefill steps, which the interval means hide among the decode steps (one
-    256-token prefill among 40 decode steps of 10 tokens): vLLM's per-request prefill time (its
-    first scheduling to its first token, engine-core clock) over the chunks the prompt's computed
-    tokens (``request_prefill_kv_computed_tokens``: cached tokens excluded) took, at the chunk's
-    tokens plus the decodes running beside it and the chunk's causal attention pairs (its queries
-    against the cached prefix and each other). One sample per scrape interval in which requests
-    finished (both histograms count at the finish), weighted by its prefill steps."""
-    out = []
-    for (ta, a), (tb, b) in zip(scrapes, scrapes[1:]):
-        n = (b.hist_count(PREFILL) or 0) - (a.hist_count(PREFILL) or 0)
-        nc = (b.hist_count(COMPUTED) or 0) - (a.hist_count(COMPUTED) or 0)
-        npr = (b.hist_count("vllm:request_prompt_tokens") or 0) - (a.hist_count("vllm:request_prompt_tokens") or 0)
-        if n < 1 or nc < 1 or npr < 1:
-            continue
-        dur = ((b.hist_sum(PREFILL) or 0) - (a.hist_sum(PREFILL) or 0)) / n
-        computed = ((b.hist_sum(COMPUTED) or 0) - (a.hist_sum(COMPUTED) or 0)) / nc
-        prompt = ((b.hist_sum("vllm:request_prompt_tokens") or 0) - (a.hist_sum("vllm:request_prompt_tokens") or 0)) / npr
-        if computed < 1:
-            continue
-        cached = max(0.0, prompt - computed)
-        chunks = max(1, math.ceil(computed / budget))
-        decodes = max(0.0, ((a.get("vllm:num_requests_running") or 0) + (b.get("vllm:num_requests_running") or 0)) / 2 - 1)
-        q = computed / chunks
-        pairs = (computed * cached + computed * (computed + 1) / 2) / chunks
-        out.append(StepSample(duration_s=dur / chunks, batched_tokens=q + decodes, prefill_pairs=pairs,
-                              weight=n * chunks, t_s=(ta + tb) / 2))
-    return out
-
-
 def hist_mean(window: MetricFigures, name: str) -> float:
     """The exact mean of a vLLM histogram over the window: its sum over its count."""
     return (window.hist_sum(name) or 0.0) / max(1.0, window.hist_count(name) or 0.0)
@@ -341,10 +303,11 @@ def evaluate(raw: dict) -> dict:
     reading = read_vllm(window, samples_of_scrapes([s for _, s in scrapes]), window_s=scrapes[-1][0] - scrapes[0][0],
                         assume=VllmAssumptions(max_num_seqs=a["max_num_seqs"],
                                                max_num_batched_tokens=a["max_num_batched_tokens"], max_model_len=2048))
-    samples = step_samples(scrapes, prompt_tokens_mean(window)) + prefill_samples(scrapes, a["max_num_batched_tokens"])
+    samples = step_samples([Scrape.of(t, s) for t, s in scrapes], a["max_num_batched_tokens"], prompt_tokens_mean(window))
     fit = fit_step_cost(samples)
     speed = speed_timeline(samples, fit) if fit is not None else None
-    profile: Profile = profile_for(reading.observation, None, fit, speed)
+    frontend = frontend_s(window, samples)
+    profile: Profile = profile_for(reading.observation.with_(frontend_s=frontend), None, fit, speed)
     cfg = vllm_v1_config(reading.observation.config)
     reqs = [TraceRequest(r["arrival_s"], r["prompt_tokens"], r["output_tokens"], r.get("prefix_group"),
                          int(r.get("prefix_tokens", 0))) for r in trace]

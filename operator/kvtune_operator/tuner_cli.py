@@ -4,6 +4,7 @@ Both print one sentence a user understands first; ``--json`` prints one JSON obj
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -39,11 +40,17 @@ def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limi
     `VllmAssumptions` for what vLLM does not export."""
     from .engine_client import EngineClient, EngineError
     from .tuner.observation import MetricFigures, Observation
-    from .tuner.vllm_observation import VllmAssumptions, is_vllm, read_vllm, samples_of_scrapes
+    from .tuner import vllm_steps
+    from .tuner.vllm_observation import VllmAssumptions, is_vllm, prompt_tokens_mean, read_vllm, samples_of_scrapes
 
     engine = EngineClient(url, admin_key=admin_key, deadline_s=timeout_s)
     try:
-        scrape = lambda: MetricFigures.from_prometheus_text(engine.metrics_text())  # noqa: E731
+        answered: list[float] = []
+
+        def scrape() -> MetricFigures:
+            figures = MetricFigures.from_prometheus_text(engine.metrics_text())
+            answered.append(time.monotonic())
+            return figures
         started = time.monotonic()
         first = scrape()
         if is_vllm(first):
@@ -52,8 +59,13 @@ def read_engine(url: str, *, window_s: float = 0.0, samples: int = 4, trace_limi
                                                max(1, samples, int(window_s)) if window_s > 0 else 0)
             figs = MetricFigures.over_scrapes(scrapes)
             win = measured if window_s > 0 else _vllm_uptime(first)
-            return read_vllm(figs, samples_of_scrapes(scrapes)[1:] or samples_of_scrapes(scrapes), window_s=win,
-                             assume=assume or VllmAssumptions(), slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+            reading = read_vllm(figs, samples_of_scrapes(scrapes)[1:] or samples_of_scrapes(scrapes), window_s=win,
+                                assume=assume or VllmAssumptions(), slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
+            # its step costs and frontend time, as the operator reads them from Prometheus
+            steps = vllm_steps.step_samples([vllm_steps.Scrape.of(t - answered[0], f) for t, f in zip(answered, scrapes)],
+                                            reading.observation.config.max_num_batched_tokens, prompt_tokens_mean(figs))
+            return dataclasses.replace(reading, observation=reading.observation.with_(
+                step_samples=tuple(steps), frontend_s=vllm_steps.frontend_s(figs, steps)))
         state0 = engine.state()
         scrapes, measured = _scrape_window(scrape, first, started, window_s, max(1, samples) if window_s > 0 else 0)
         state = engine.state()

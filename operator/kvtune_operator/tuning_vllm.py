@@ -17,7 +17,9 @@ from kvtune_engine.config import EngineConfig
 from .prometheus import QUERY_DEADLINE_S, MetricsUnavailable, read_window
 from .tuner.observation import StepSample
 from .tuner.vllm_drift import drift
-from .tuner.vllm_observation import GaugeSample, VllmAssumptions, prompt_tokens_mean, read_vllm, recomputed_tokens
+from .tuner import vllm_steps
+from .tuner.vllm_observation import GaugeSample, VllmAssumptions, prompt_tokens_mean, read_vllm
+from .tuner.vllm_steps import scrapes_of_series
 
 #: the knobs vLLM's metrics show (cache_config_info); the others are the rendered command line's
 READ_BACK = ("block_size", "gpu_memory_utilization", "enable_prefix_caching")
@@ -49,30 +51,9 @@ def gauge_samples(series: list[dict[str, Any]]) -> list[GaugeSample]:
     return out
 
 
-def step_samples(series: list[dict[str, Any]], prompt_tokens_mean: float = 0.0) -> list[StepSample]:
-    """Step costs from what vLLM exposes: between two scrapes with requests running throughout, the
-    steps (``iteration_tokens_total`` count) and their tokens (its sum, plus the recompute of the
-    interval's preemptions it leaves out: `recomputed_tokens`) shared the interval, so one sample is
-    (interval / steps, tokens / steps) weighted by the steps. vLLM times no step itself."""
-    per: dict[str, dict[str, dict[float, float]]] = {}
-    for s in series:
-        m = s["metric"]
-        name = m.get("__name__")
-        if name in ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum",
-                    "vllm:num_requests_running", "vllm:num_preemptions_total"):
-            per.setdefault(m.get("instance", ""), {}).setdefault(name, {}).update(
-                {float(t): float(v) for t, v in s["values"]})
-    out: list[StepSample] = []
-    for inst, by in per.items():
-        cnt, tok = by.get("vllm:iteration_tokens_total_count", {}), by.get("vllm:iteration_tokens_total_sum", {})
-        run, pre = by.get("vllm:num_requests_running", {}), by.get("vllm:num_preemptions_total", {})
-        ts = sorted(t for t in cnt if t in tok)
-        for a, b in zip(ts, ts[1:]):
-            n = cnt[b] - cnt[a]
-            if n >= 1 and run.get(a, 0) > 0 and run.get(b, 0) > 0:
-                again = recomputed_tokens(pre[b] - pre[a], prompt_tokens_mean) if a in pre and b in pre else 0.0
-                out.append(StepSample(duration_s=(b - a) / n, batched_tokens=(tok[b] - tok[a] + again) / n, weight=n))
-    return out
+def step_samples(series: list[dict[str, Any]], budget: int, prompt_tokens_mean: float = 0.0) -> list[StepSample]:
+    """Each engine's interval and prefill samples from its scrapes in Prometheus (`tuner.vllm_steps`)."""
+    return [x for scrapes in scrapes_of_series(series) for x in vllm_steps.step_samples(scrapes, budget, prompt_tokens_mean)]
 
 
 def _engines_changed(series: list[dict[str, Any]], window: float, now: float) -> tuple[float | None, list[str]]:
@@ -123,8 +104,9 @@ def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, wind
                         slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
     seen = reading.observation.config
     obs_config = config.with_changes(**{k: getattr(seen, k) for k in READ_BACK})
-    samples = step_samples(w.series or [], prompt_tokens_mean(w.figures))
-    obs = reading.observation.with_(config=obs_config, step_samples=tuple(samples))
+    samples = step_samples(w.series or [], seen.max_num_batched_tokens, prompt_tokens_mean(w.figures))
+    obs = reading.observation.with_(config=obs_config, step_samples=tuple(samples),
+                                    frontend_s=vllm_steps.frontend_s(w.figures, samples))
     infos = {tuple(sorted(s["metric"].items())) for s in w.series or []
              if s["metric"].get("__name__") == "vllm:cache_config_info"}
     return obs, reading.trace, window, drift([dict(i) for i in sorted(infos)], config, left_to_engine)

@@ -22,7 +22,7 @@ from kvtune_operator.tuner.predict import as_trace, fitted
 from kvtune_operator.tuner_cli import read_engine
 
 #: fields that name the source or carry raw inputs rather than figures
-NOT_FIGURES = {"source", "summary", "step_samples", "lengths", "config", "window_s"}
+NOT_FIGURES = {"source", "summary", "step_samples", "frontend_s", "lengths", "config", "window_s"}
 N = 16
 #: figures this workload must make non-zero in both (a cap of 2 under N concurrent requests)
 MUST_SHOW = ("kv_usage_mean", "kv_usage_peak", "num_blocks", "running_mean", "running_peak", "waiting_peak",

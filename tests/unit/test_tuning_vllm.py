@@ -121,7 +121,7 @@ def test_step_samples_count_the_recompute_vllm_leaves_out():
         return {"metric": {"__name__": name, **labels}, "values": [[NOW + i, str(v)] for i, v in enumerate(values)]}
     series = [s("vllm:iteration_tokens_total_count", 0, 100, 200), s("vllm:iteration_tokens_total_sum", 0, 2000, 4000),
               s("vllm:num_requests_running", 8, 8, 8), s("vllm:num_preemptions_total", 5, 8, 8)]
-    first, second = tuning_vllm.step_samples(series, prompt_tokens_mean=280.0)
+    first, second = tuning_vllm.step_samples(series, 512, prompt_tokens_mean=280.0)
     assert first.batched_tokens == pytest.approx((2000 + 3 * 280) / 100) and first.weight == 100
     assert second.batched_tokens == pytest.approx(20.0)
-    assert [x.batched_tokens for x in tuning_vllm.step_samples(series)] == [20.0, 20.0]  # no prompt mean: as counted
+    assert [x.batched_tokens for x in tuning_vllm.step_samples(series, 512)] == [20.0, 20.0]  # no prompt mean: as counted

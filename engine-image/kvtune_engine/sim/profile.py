@@ -77,6 +77,9 @@ class Profile(BaseModel):
     per_prefill_pair_s: float = Field(ge=0)
     speed: SpeedTimeline | None = Field(default=None, description="The machine's speed over the window the "
                                         "costs were fitted on (module docstring); None: steady.")
+    frontend_s: float = Field(0.0, ge=0, description="Time per request outside the stepped engine that its "
+                              "latencies include: an API server's hops to the engine loop and back (vLLM's, "
+                              "measured: tuner.vllm_steps.frontend_s). Added to TTFT and e2e; it takes no step.")
     derivation: str = ""
 
     @property

@@ -45,8 +45,10 @@ class SLO:
 class _Acc:
     """Time-weighted integrals of the cache state and per-request latencies."""
 
-    def __init__(self, slo: SLO, per_request: bool = False, intake: dict[str, float] | None = None) -> None:
+    def __init__(self, slo: SLO, per_request: bool = False, intake: dict[str, float] | None = None,
+                 frontend_s: float = 0.0) -> None:
         self.slo = slo
+        self.frontend_s = frontend_s  # outside the stepped engine: in TTFT and e2e (Profile.frontend_s)
         self.intake = intake   # request id -> when the loop took it in (queue_clock "intake")
         self.rows: list[dict] | None = [] if per_request else None
         self.busy_s = 0.0
@@ -70,11 +72,11 @@ class _Acc:
                 self.cut += 1
             if req.first_token_s is None:     # finished before its first token: not good
                 continue
-            t1 = req.first_token_s - req.arrival_s
+            t1 = req.first_token_s - req.arrival_s + self.frontend_s
             self.ttft.append(t1)
             t0 = req.arrival_s if self.intake is None else self.intake.pop(req.request_id, req.arrival_s)
             self.queue.append(req.first_scheduled_s - t0)
-            self.e2e.append(req.finished_s - req.arrival_s)
+            self.e2e.append(req.finished_s - req.arrival_s + self.frontend_s)
             t2 = (req.finished_s - req.first_token_s) / (n_out - 1) if n_out > 1 else None
             if t2 is not None:
                 self.tpot.append(t2)
@@ -102,7 +104,7 @@ def simulate(trace: list[TraceRequest], config: EngineConfig, profile: Profile,
     eng = SimEngine(config, profile, admission=admission)
     size, sched = eng.size, eng.sched
     intake: dict[str, float] | None = {} if queue_clock == "intake" else None
-    acc = _Acc(slo or SLO(), per_request, intake)
+    acc = _Acc(slo or SLO(), per_request, intake, profile.frontend_s)
     kv = sched.kv
     nb, bs, reserve = size.num_blocks, config.block_size, sched.reserve_blocks
     waiting, swapped = sched.waiting, sched.swapped

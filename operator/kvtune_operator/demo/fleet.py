@@ -16,6 +16,7 @@ simulated engine to find (the GPU-shaped loop test, 20-second windows and every 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,10 +95,15 @@ def run_fleet(demos: list[Demo]) -> dict[str, str]:
             while t.is_alive():
                 t.join(0.5)
     finally:
-        for d in demos:  # normally each demo stopped its own; after Ctrl-C this is the only stop
-            d.stop()
-        for t in threads:  # and each thread ends (an engine it was starting is stopped there)
-            t.join(30)
+        # normally each demo stopped its own; after Ctrl-C this is the only stop. All at once: one after
+        # the other, each load's end and each engine's drain (up to 10 s before a SIGKILL) added up, and
+        # on a busy machine Ctrl-C took over a minute to return
+        stoppers = [threading.Thread(target=d.stop, name=f"stop-{d.name}", daemon=True) for d in demos]
+        for t in stoppers:
+            t.start()
+        deadline = time.monotonic() + 45
+        for t in stoppers + threads:  # and each thread ends (an engine it was starting is stopped there)
+            t.join(max(0.0, deadline - time.monotonic()))
     return errors
 
 

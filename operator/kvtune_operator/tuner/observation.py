@@ -165,6 +165,9 @@ class Observation:
     # the request-length distribution of the window's trace
     lengths: LengthStats | None = None
     step_samples: tuple[StepSample, ...] = ()
+    #: vLLM: its API server's time per request outside the engine core, which a replay adds to TTFT and
+    #: e2e (`vllm_steps.frontend_s`); 0 for our engine, whose latencies the simulator replays whole
+    frontend_s: float = 0.0
     summary: Mapping[str, Any] | None = field(default=None, repr=False, compare=False)
     #: the step shape the engine's start-up memory profile covered (state ``activation_profile``): a
     #: live raise past it is refused by the engine (it needs a restart); None: not bounded

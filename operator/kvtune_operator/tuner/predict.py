@@ -92,6 +92,8 @@ def profile_for(obs: Observation | None, base: Profile | None = None, fit: StepC
             kv_per_tok = kv / (obs.num_blocks * obs.config.block_size)
             # any (layers, heads, head_dim, dtype) with the measured K/V bytes per token will do
             upd.update(num_layers=1, num_kv_heads=1, head_dim=max(1, int(round(kv_per_tok / 2))), kv_dtype_bytes=1)
+    if obs is not None and obs.frontend_s > 0:
+        upd["frontend_s"] = obs.frontend_s
     if fit is not None:
         upd.update(step_overhead_s=fit.c0, per_token_s=fit.c_tok, weights_read_s=fit.weights_read_s,
                    per_context_token_s=fit.c_ctx, per_prefill_pair_s=fit.c_pair)
@@ -227,11 +229,11 @@ class Predictor:
 
 def fitted(obs: Observation, base: Profile | None, *, min_samples: int = 50,
            speed: bool = False) -> tuple[Profile, StepCostFit | None]:
-    """``profile_for`` with costs fitted from the observation's step samples when there are enough, and
-    (``speed``) the machine's speed over the window from the same samples when they carry times."""
+    """``profile_for`` with costs fitted from the observation's step samples when there are enough
+    (``min_samples`` single steps, or 3 means of several: scrape intervals), and (``speed``) the
+    machine's speed over the window from the same samples when they carry times."""
     fit = timeline = None
-    if len(obs.step_samples) >= min_samples or (obs.step_samples and all(s.weight > 1 for s in obs.step_samples)
-                                                 and len(obs.step_samples) >= 3):
+    if len(obs.step_samples) >= min_samples or sum(s.weight > 1 for s in obs.step_samples) >= 3:
         bw = base.swap_bandwidth_bytes_per_s if base is not None else None
         fit = fit_step_cost(obs.step_samples, swap_bandwidth=bw)
         if fit is not None and speed:

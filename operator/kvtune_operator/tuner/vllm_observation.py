@@ -62,20 +62,6 @@ def in_system(samples: Sequence[GaugeSample]) -> tuple[float, float]:
 STEP_HIST = "vllm:iteration_tokens_total"
 
 
-def recomputed_tokens(preemptions: float, prompt_tokens_mean: float) -> float:
-    """The tokens vLLM computed again for ``preemptions`` that ``iteration_tokens_total`` leaves out.
-
-    vLLM counts a step's tokens as the prompts that reached their first token in it plus the tokens it
-    generated: a preempted request's recompute is not counted (on a preemption-heavy run the
-    histogram's sum was exactly ``prompt_tokens_total + generation_tokens_total``, 269 preemptions
-    later). A step cost fitted on those counts charges each counted token for the uncounted ones
-    (1.31x per token on that run), and a replay that recomputes preempted requests then runs slower
-    than vLLM. vLLM preempts the request it scheduled last, whose context is about its prompt: each
-    preemption is counted as a window's mean prompt recomputed (within 3% of the simulator's own
-    recompute on that run)."""
-    return max(0.0, preemptions) * max(0.0, prompt_tokens_mean)
-
-
 def prompt_tokens_mean(figures: MetricFigures) -> float:
     """The window's mean prompt length (``request_prompt_tokens``), 0 when no request finished."""
     n = figures.hist_count("vllm:request_prompt_tokens")
