@@ -85,7 +85,7 @@ base -0.3% / +4.6% / -2.9% / -3.1% (its prefill +10.8%, was +18.7%), shared-pref
 +54% (was +65%), is a small part of a TTFT of 54 s spent queueing). Before, on the
 same runs: -0.3% / +0.1% / -2.9% / -3.4%, -0.6% / -10.9% / -2.0% / -3.8%, -1.2% / +6.1% / +0.8% /
 +5.8%: base's TTFT was right because its prefill, 18.7% slow, hid its missing frontend. A new run
-of all three (``--keep``, the machine quiet; 678 / 790 / 1000-odd requests at 17.0 / 19.8 / ~28 per
+of all three (``--keep``, the machine quiet; 678 / 790 / 711 requests at 17.0 / 19.8 / 17.8 per
 second): base +0.3% / -25.2% / -9.0% / -10.2%, shared-prefix -0.1% / -0.7% / -6.9% / -9.2%,
 preemption +1.4% / -3.3% / -2.9% / -5.1%. Base's TTFT miss is its queue, not a step cost: vLLM's
 mean queue time was 10.9 ms against the simulator's 1.5 (its prefill +8.3%, the rest of TTFT -0.5
