@@ -30,6 +30,10 @@ def test_interval_samples_are_the_steps_and_tokens_between_two_scrapes():
     assert (s.duration_s, s.batched_tokens, s.weight, s.t_s) == (pytest.approx(0.01), 20.0, 100, 0.5)
     # nothing running at one end (an idle stretch, not a step time): no sample
     assert interval_samples([a, _scrape(1.0, 100, 2000, running=0)]) == []
+    # a counter missing from one scrape adds nothing (not its whole value as the interval's increase)
+    gap = Scrape(0.0, {k: v for k, v in a.values.items() if k != "vllm:num_preemptions_total"})
+    (s,) = interval_samples([gap, _scrape(1.0, 100, 2000, preemptions=50)], prompt_tokens_mean=300.0)
+    assert s.batched_tokens == 20.0
 
 
 def test_a_prefill_sample_counts_the_prompts_that_arrived_during_the_step_before_it():

@@ -50,7 +50,11 @@ class Scrape:
     values: Mapping[str, float]
 
     def delta(self, before: "Scrape", name: str) -> float:
-        return self.values.get(name, 0.0) - before.values.get(name, 0.0)
+        """The increase of ``name`` since ``before``; 0 when either scrape lacks it (never a whole
+        counter read as one interval's increase)."""
+        if name not in self.values or name not in before.values:
+            return 0.0
+        return self.values[name] - before.values[name]
 
     @classmethod
     def of(cls, t_s: float, figures: MetricFigures) -> "Scrape":
