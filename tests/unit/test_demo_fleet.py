@@ -12,7 +12,10 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.wallclock]
+# Not `wallclock` (simulated engines, but not in the second pytest of `make test`): run beside the main
+# one, twice in two fresh-clone runs, the demo was still alive 60 s after its Ctrl-C (the engines had
+# been stopped); the cause is not found yet, and it is open in issue 18.
+pytestmark = pytest.mark.slow
 
 
 def _alive(pid: int) -> bool:
