@@ -73,8 +73,10 @@ def _children(pid: int) -> list[int]:
 def test_ctrl_c_leaves_no_engine_behind(tmp_path):
     """Ctrl-C while the engines serve: the demo exits and every engine it started is gone (each runs
     in a session of its own, so the terminal's SIGINT never reaches them: the demo must stop them)."""
-    proc = subprocess.Popen([sys.executable, "-c", "from kvtune_operator.cli import main; main()", "demo",
-                             "--fleet", "2", "--window", "30", "--out", str(tmp_path)],
+    # -X faulthandler: if it outlives its Ctrl-C, SIGABRT makes it print every thread's stack (the failure
+    # says where it hangs)
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", "from kvtune_operator.cli import main; main()",
+                             "demo", "--fleet", "2", "--window", "30", "--out", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
     try:
@@ -84,7 +86,12 @@ def test_ctrl_c_leaves_no_engine_behind(tmp_path):
                 break
         engines = _children(proc.pid)
         proc.send_signal(signal.SIGINT)
-        proc.wait(60)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            rest = proc.communicate(timeout=30)[0]
+            pytest.fail(f"the demo was alive 60 s after its Ctrl-C; its output since, and its threads:\n{rest[-12000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
