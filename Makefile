@@ -28,20 +28,15 @@ demo: setup
 	$(BIN)/kvtune demo
 
 # Without a GPU the CUDA-only tests are deselected (reported as such), not skipped.
-NOT_CUDA := $(if $(shell nvidia-smi -L 2>/dev/null),,not cuda and )
-WALLCLOCK_LOG := tests/.wallclock-lane.log
-
+NO_GPU := $(if $(shell nvidia-smi -L 2>/dev/null),,-m "not cuda")
 # The three set-ups are independent (two virtualenvs, the Go build): side by side they take the
-# longest one's time. The tests marked `wallclock` (simulated engines that sleep their steps, stand-in
-# pods, lease durations: about 8 minutes of waiting on little CPU) run in a second pytest, with its own
-# control plane and Prometheus, beside the rest; its report follows the main one.
+# longest one's time. The tests then run in one pytest: run as a second pytest beside the rest, the
+# `wallclock` tests (simulated engines that sleep their steps, stand-in pods, lease durations) saved
+# about 8 minutes, but on two cores the two lanes' engine starts crowded each other, and CI failed the
+# operator-upgrade test and fresh clones the fleet demo's Ctrl-C test (issue 18).
 test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target setup controlplane vllm
-	@$(BIN)/python -m pytest tests -m "$(NOT_CUDA)wallclock" -p no:cacheprovider > $(WALLCLOCK_LOG) 2>&1 & side=$$!; \
-	$(BIN)/python -m pytest tests -m "$(NOT_CUDA)not wallclock"; main=$$?; \
-	wait $$side; side=$$?; \
-	echo "=== the wallclock lane (pytest -m '$(NOT_CUDA)wallclock', $(WALLCLOCK_LOG)): exit $$side ==="; \
-	cat $(WALLCLOCK_LOG); test $$main -eq 0 && test $$side -eq 0
+	$(BIN)/python -m pytest tests $(NO_GPU)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests -m "not integration and not cuda and not vllm"

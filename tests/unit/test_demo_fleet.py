@@ -12,9 +12,8 @@ import sys
 
 import pytest
 
-# Not `wallclock` (simulated engines, but not in the second pytest of `make test`): run beside the main
-# one, twice in two fresh-clone runs, the demo was still alive 60 s after its Ctrl-C (the engines had
-# been stopped); the cause is not found yet, and it is open in issue 18.
+# Not `wallclock`: twice in two fresh-clone runs the demo was still alive 60 s after its Ctrl-C (the
+# engines had been stopped); the cause is not found yet (open in issue 18): the test now dumps its threads.
 pytestmark = pytest.mark.slow
 
 
