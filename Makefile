@@ -29,6 +29,7 @@ demo: setup
 
 # Without a GPU the CUDA-only tests are deselected (reported as such), not skipped.
 NO_GPU := $(if $(shell nvidia-smi -L 2>/dev/null),,-m "not cuda")
+
 # The three set-ups are independent (two virtualenvs, the Go build): side by side they take the
 # longest one's time. The tests then run in one pytest: run as a second pytest beside the rest, the
 # `wallclock` tests (simulated engines that sleep their steps, stand-in pods, lease durations) saved
