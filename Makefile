@@ -31,13 +31,14 @@ demo: setup
 NO_GPU := $(if $(shell nvidia-smi -L 2>/dev/null),,-m "not cuda")
 
 # The three set-ups are independent (two virtualenvs, the Go build): side by side they take the
-# longest one's time. The tests then run in one pytest: run as a second pytest beside the rest, the
-# `wallclock` tests (simulated engines that sleep their steps, stand-in pods, lease durations) saved
-# about 8 minutes, but on two cores the two lanes' engine starts crowded each other, and CI failed the
-# operator-upgrade test and fresh clones the fleet demo's Ctrl-C test (issue 18).
+# longest one's time. The tests then run in TEST_WORKERS pytest-xdist workers, a whole file at a time
+# (a file's module fixtures, e.g. one vLLM server for several tests, stay in one worker); each worker
+# starts its own control plane and Prometheus on free ports. The longest files are listed first
+# (tests/vllm, tests/integration) so the short unit files fill the end on both workers.
+TEST_WORKERS ?= 2
 test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target setup controlplane vllm
-	$(BIN)/python -m pytest tests $(NO_GPU)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile tests/vllm tests/integration tests/unit $(NO_GPU)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests -m "not integration and not cuda and not vllm"
