@@ -17,7 +17,9 @@ is missing; tests call it so that a missing vLLM FAILS them, never skips them. `
 overrides the venv location (default ``.venv-vllm/`` at the repo root).
 
 Why the environment below: vLLM's caches (torch.compile, triton, HF,
-its ZMQ socket files) go under ``run_dir`` instead of $HOME and /tmp; ``HF_HUB_OFFLINE=1`` and
+its ZMQ socket files) go under ``run_dir`` instead of $HOME and /tmp -- except where ``run_dir`` is
+too deep for a socket path (107 bytes; pytest-xdist's ``popen-gwN`` adds a level), then TMPDIR is a
+short ``/tmp/kvv-*`` the server removes when it stops; ``HF_HUB_OFFLINE=1`` and
 ``VLLM_NO_USAGE_STATS=1`` keep it off the network; ``VLLM_CPU_KVCACHE_SPACE`` sizes the KV cache
 (whole GiB; a fractional ``kv_cache_gib`` goes as ``--kv-cache-memory-bytes``) and ``VLLM_CPU_OMP_THREADS_BIND=0-1`` gives the model both cores. Models need head_dim >= 32
 (``kvtune make-tiny-model DIR --head-dim 32``): vLLM's CPU attention refuses smaller ones.
@@ -26,8 +28,10 @@ from __future__ import annotations
 
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -81,10 +85,17 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str,
     raise TimeoutError(f"{what} not healthy after {timeout_s:.0f}s:\n{log_tail()}")
 
 
+# vLLM binds ZMQ sockets at "ipc://<VLLM_RPC_BASE_PATH>/<uuid4>": 6 + 1 + 36 bytes besides the
+# directory, and a Unix socket path holds at most 107 bytes
+SOCKET_DIR_MAX = 107 - 43 - 8
+
+
 def vllm_env(run_dir: Path, kv_cache_gib: float, threads_bind: str = "0-1") -> dict[str, str]:
     """The environment for ``vllm serve``: caches under run_dir, offline, KV space, thread binding."""
     run_dir = Path(run_dir)
     tmp = run_dir / "tmp"
+    if len(str(tmp)) > SOCKET_DIR_MAX:
+        tmp = Path(tempfile.mkdtemp(prefix="kvv-", dir="/tmp"))
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.update({
@@ -188,6 +199,7 @@ class VllmServer(LoggedServer):
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = serve_argv(self.model_dir, self.port, args, kv_cache_gib)
         self.env = vllm_env(self.run_dir, kv_cache_gib, threads_bind)
+        self.short_tmp = None if Path(self.env["TMPDIR"]).is_relative_to(self.run_dir) else Path(self.env["TMPDIR"])
         self.log_path = self.run_dir / f"vllm-{self.port}.log"
         self.proc = None
 
@@ -202,6 +214,15 @@ class VllmServer(LoggedServer):
         if exc_type is not None:  # pytest shows captured stdout with the failure: what vLLM said last
             print(f"--- {self.log_path} (last lines) ---\n{self.log_tail(80)}", flush=True)
         self.stop()
+
+    def start(self, timeout_s: float | None = None):
+        Path(self.env["TMPDIR"]).mkdir(parents=True, exist_ok=True)  # again after a stop removed it
+        return super().start(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        super().stop(timeout_s)
+        if self.short_tmp is not None:
+            shutil.rmtree(self.short_tmp, ignore_errors=True)
 
 
 def main(argv: list[str]) -> int:
