@@ -31,14 +31,17 @@ demo: setup
 NO_GPU := $(if $(shell nvidia-smi -L 2>/dev/null),,-m "not cuda")
 
 # The three set-ups are independent (two virtualenvs, the Go build): side by side they take the
-# longest one's time. The tests then run in TEST_WORKERS pytest-xdist workers, a whole file at a time
-# (a file's module fixtures, e.g. one vLLM server for several tests, stay in one worker); each worker
-# starts its own control plane and Prometheus on free ports. The longest files are listed first
-# (tests/vllm, tests/integration) so the short unit files fill the end on both workers.
-TEST_WORKERS ?= 2
+# longest one's time. The tests then run in one pytest. TEST_WORKERS=N runs them in N pytest-xdist
+# workers instead, a whole file at a time (each worker starts its own control plane and Prometheus
+# on free ports): on a machine with cores to spare. On two cores it took 25-30 minutes instead of
+# 35-38, but a neighbour worker's start-ups moved the machine's speed under the tests that size a
+# load once and judge windows later (the demo, the GPU-shaped loop, the vLLM pod): 3 of 1057 failed
+# in one of two fresh-clone runs (issue 18).
+TEST_WORKERS ?= 1
+XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
 test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target setup controlplane vllm
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile tests/vllm tests/integration tests/unit $(NO_GPU)
+	$(BIN)/python -m pytest $(XDIST) tests $(NO_GPU)
 
 test-unit: setup
 	$(BIN)/python -m pytest tests -m "not integration and not cuda and not vllm"
