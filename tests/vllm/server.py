@@ -86,7 +86,7 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str,
 
 
 # vLLM binds ZMQ sockets at "ipc://<VLLM_RPC_BASE_PATH>/<uuid4>": 6 + 1 + 36 bytes besides the
-# directory, and a Unix socket path holds at most 107 bytes
+# directory, and a Unix socket path holds at most 107 bytes (8 more kept spare)
 SOCKET_DIR_MAX = 107 - 43 - 8
 
 
