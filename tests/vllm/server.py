@@ -90,12 +90,12 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str,
 SOCKET_DIR_MAX = 107 - 43 - 8
 
 
-def vllm_env(run_dir: Path, kv_cache_gib: float, threads_bind: str = "0-1") -> dict[str, str]:
-    """The environment for ``vllm serve``: caches under run_dir, offline, KV space, thread binding."""
+def vllm_env(run_dir: Path, kv_cache_gib: float, threads_bind: str = "0-1",
+             tmp: Path | None = None) -> dict[str, str]:
+    """The environment for ``vllm serve``: caches under run_dir, offline, KV space, thread binding;
+    TMPDIR and the socket files in ``tmp`` (default ``run_dir/tmp``)."""
     run_dir = Path(run_dir)
-    tmp = run_dir / "tmp"
-    if len(str(tmp)) > SOCKET_DIR_MAX:
-        tmp = Path(tempfile.mkdtemp(prefix="kvv-", dir="/tmp"))
+    tmp = Path(tmp) if tmp is not None else run_dir / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.update({
@@ -198,8 +198,9 @@ class VllmServer(LoggedServer):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = serve_argv(self.model_dir, self.port, args, kv_cache_gib)
-        self.env = vllm_env(self.run_dir, kv_cache_gib, threads_bind)
-        self.short_tmp = None if Path(self.env["TMPDIR"]).is_relative_to(self.run_dir) else Path(self.env["TMPDIR"])
+        tmp = self.run_dir / "tmp"
+        self.short_tmp = Path(tempfile.mkdtemp(prefix="kvv-", dir="/tmp")) if len(str(tmp)) > SOCKET_DIR_MAX else None
+        self.env = vllm_env(self.run_dir, kv_cache_gib, threads_bind, tmp=self.short_tmp or tmp)
         self.log_path = self.run_dir / f"vllm-{self.port}.log"
         self.proc = None
 
