@@ -36,9 +36,9 @@ instead) and is started by tests/vllm/server.py.
 Measured (2026-12-06; 2 cores of a Xeon with AMX and avx512_bf16; random workload, each engine's
 default block size, one run of both orders, kvtune first / vLLM first), kvtune / vLLM output tok/s:
 float32 1.05 / 1.11 all at once (845 / 848 against 808 / 764), 1.08 / 1.03 streamed; bfloat16
-0.66 / 0.70 all at once (1200 / 1298 against 1822 / 1863), 0.83 / 0.81 streamed. In bf16, vLLM's
-useful GFLOP/s (328-335) are about 90% of the GEMM peak at the model's shapes (345-377), and ours
-(216-234) about 60%: the bf16 step is where kvtune falls behind.
+0.66 / 0.70 all at once (1200 / 1298 against 1822 / 1863), 0.83 / 0.81 streamed. Useful GFLOP/s in
+bf16: vLLM 328-335, kvtune 216-234 (the peak printed is float32's, 345-377; the bf16 peak is not
+measured here): the bf16 step is where kvtune falls behind.
 """
 from __future__ import annotations
 
