@@ -75,11 +75,11 @@ def test_ctrl_c_leaves_no_engine_behind(tmp_path):
     # -X faulthandler: if it outlives its Ctrl-C, SIGABRT makes it print every thread's stack (the failure
     # says where it hangs). SIGINT as in a terminal: a process inherits an ignored SIGINT from a shell that
     # ran its parent in the background (`(make test &)`, a CI runner's), and Python then keeps ignoring it,
-    # as it should; the demo never saw this test's Ctrl-C so, and ran on (fresh-clone runs started that
-    # way failed here). The child takes Python's own Ctrl-C handler first, as a foreground process has it.
-    main = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
-            "from kvtune_operator.cli import main; main()")
-    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", main,
+    # as it should, so the demo ran on past this test's Ctrl-C (fresh-clone runs started that way failed
+    # here). The child takes Python's own Ctrl-C handler first, as a foreground process has it.
+    script = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+              "from kvtune_operator.cli import main; main()")
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", script,
                              "demo", "--fleet", "2", "--window", "30", "--out", str(tmp_path)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = []
