@@ -61,7 +61,7 @@ from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
 )
 from .test_tuner_e2e import LABEL, history, log
 
-pytestmark = [pytest.mark.integration, pytest.mark.wallclock]
+pytestmark = [pytest.mark.integration, pytest.mark.wallclock, pytest.mark.alone]
 
 VOCAB = 256            # the simulated engine's byte tokenizer
 INTERVAL, WINDOW = "8s", "20s"

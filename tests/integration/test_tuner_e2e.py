@@ -53,7 +53,7 @@ from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
     SELECTOR, OperatorProcess, engine_namespace, admin_key, condition, crd, eventually, get,
 )
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.alone]
 
 VOCAB = 122_880            # the weights are ~121 MiB: most of the small device
 BLOCK_BYTES = 16 * 2048    # block size 16 x K/V bytes per token (2 layers, 4 KV heads of 32, float32)

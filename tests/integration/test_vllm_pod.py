@@ -10,9 +10,9 @@ load, it makes the change: the Deployment rolls, a new vLLM process serves with 
 the old one serves until it is ready (no request fails), and the change is verified on the new pod's
 window and kept. A missing vLLM fails the test.
 
-Time (~5 min on two cores, the suite's longest): two vLLM start-ups (about a minute each), a
-Recommend window, the rollout with the old pod's preStop and drain, then a whole window of the new
-pod alone before the verdict.
+Time (~2.5 min on two cores): two vLLM start-ups (~30 s each without torch.compile,
+``TEST_ARGS``), a Recommend window, the rollout with the old pod's preStop and drain, then a whole
+window of the new pod alone before the verdict.
 """
 from __future__ import annotations
 
@@ -29,13 +29,13 @@ import pytest
 import yaml
 
 from tests.infd import infd_body
-from tests.vllm.server import vllm_bin
+from tests.vllm.server import TEST_ARGS, vllm_bin
 
 from .e2e_load import OpenLoopLoad
 from .test_operator_cluster import OperatorProcess, _make_namespace, crd, eventually, get  # noqa: F401
 from .test_tuner_e2e import LABEL, first_apply, history, start_engine, url_of, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.vllm, pytest.mark.slow, pytest.mark.alone]
 VOCAB = 512
 
 
@@ -100,12 +100,12 @@ def infd(name: str, model: Path, cache: Path, mode: str = "Recommend") -> str:
                   "objectives": {"ttftP95": "1s"},
                   "bounds": {"blockSize": [128], "maxNumSeqs": {"min": 1, "max": 64}}},
         env=[{"name": k, "value": v} for k, v in env.items()],
-        extraArgs=["--dtype", "float32"]))
+        extraArgs=["--dtype", "float32", *TEST_ARGS]))
 
 
 def test_operator_recommends_then_applies_and_keeps_more_sequences_on_a_real_vllm_pod(
         controlplane, pod_node, vllm_ns, vllm_model, vllm_run):
-    # one vLLM pod for both modes (each vLLM start costs a minute or more on two cores)
+    # one vLLM pod for both modes (each vLLM start costs half a minute or more on two cores)
     ns, name = vllm_ns, "vllm-seqcap"
     op, cache = vllm_run
     t0 = time.monotonic()

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 def test_demo_fixes_the_sequence_cap_live_then_low_memory_by_a_restart(tmp_path):

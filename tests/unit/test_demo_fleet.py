@@ -26,6 +26,7 @@ def _alive(pid: int) -> bool:
         return f.read().split(") ", 1)[1][0] != "Z"
 
 
+@pytest.mark.alone
 def test_fleet_demo_tunes_each_engine_in_the_knob_its_symptom_names(tmp_path):
     out = tmp_path / "fleet"
     res = subprocess.run([sys.executable, "-c", "from kvtune_operator.cli import main; main()", "demo",

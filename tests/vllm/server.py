@@ -85,6 +85,13 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str,
     raise TimeoutError(f"{what} not healthy after {timeout_s:.0f}s:\n{log_tail()}")
 
 
+# For the tests' vLLMs, not the benchmarks': no torch.compile of the model. It starts in ~27 s instead of
+# ~50 on two cores (measured with the tests' tiny model), and steps run ~1.5x slower; what the tests
+# judge (vLLM's metrics, its scheduling under a cap or a small cache, the operator's rollout) does
+# not depend on the compiled kernels. The benchmarks compare with vLLM at its defaults.
+TEST_ARGS = ["--enforce-eager"]
+
+
 # vLLM binds ZMQ sockets at "ipc://<VLLM_RPC_BASE_PATH>/<uuid4>": 6 + 1 + 36 bytes besides the
 # directory, and a Unix socket path holds at most 107 bytes (8 more kept spare)
 SOCKET_DIR_MAX = 107 - 43 - 8

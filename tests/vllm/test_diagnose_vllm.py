@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from tests.vllm.load import ClosedLoop, replay
-from tests.vllm.server import VllmServer, vllm_bin
+from tests.vllm.server import TEST_ARGS, VllmServer, vllm_bin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 KVTUNE = str(Path(sys.executable).parent / "kvtune")
@@ -34,10 +34,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def seq_cap_vllm(model_dir, tmp_path_factory):
-    """One vLLM at max_num_seqs 2 for both sequence-cap tests (a vLLM start costs about a minute on two
+    """One vLLM at max_num_seqs 2 for both sequence-cap tests (a vLLM start costs half a minute on two
     cores): each test drives its own load and judges its own window, the server idle in between."""
     with VllmServer(model_dir, tmp_path_factory.mktemp("vllm-seqcap"), kv_cache_gib=1,
-                    args=["--max-num-seqs", "2", "--max-model-len", "1024"]) as srv:
+                    args=["--max-num-seqs", "2", "--max-model-len", "1024", *TEST_ARGS]) as srv:
         yield srv
 
 
@@ -83,7 +83,7 @@ def test_sequence_cap_on_real_vllm(model_dir, seq_cap_vllm):
     suggested. The clients go on until both diagnoses are done (the one-scrape one taken after the
     window, the load still on), so the queue lasts however late a busy vLLM answers /metrics (on CI an
     8 s window took ~40 s).
-    Time (~1.5 min, the first of the two on the shared server): vLLM's start-up on two cores (about a
+    Time (~1.5 min, the first of the two on the shared server): vLLM's start-up on two cores (half a
     minute) and the window."""
     srv = seq_cap_vllm
     with ClosedLoop(srv.url, str(model_dir), clients=8, prompt_tokens=48, output_tokens=160) as load:
@@ -149,7 +149,7 @@ def test_too_little_kv_memory_on_real_vllm(model_dir, tmp_path):
     """A 2 MiB KV cache (about 15 blocks of 128 tokens) and requests that grow to 3 blocks each, 16 at a
     time from 24 clients sending back to back until the window is judged: vLLM preempts; diagnose names
     LowKVMemory with the preemptions and the cache size. Time (~1.5 min): vLLM's start-up and the window."""
-    args = ["--max-num-seqs", "16", "--max-model-len", "1024", "--block-size", "128"]
+    args = ["--max-num-seqs", "16", "--max-model-len", "1024", "--block-size", "128", *TEST_ARGS]
     with VllmServer(model_dir, tmp_path, kv_cache_gib=2 / 1024, args=args) as srv:
         with ClosedLoop(srv.url, str(model_dir), clients=24, prompt_tokens=100, output_tokens=250) as load:
             wait_for_queue(srv)
