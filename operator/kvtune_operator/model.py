@@ -877,13 +877,17 @@ WindowFigures = Annotated[dict[str, float], Field(
 
 
 class CanaryRun(CRDModel):
-    """The one engine pod that runs a pending live change while its siblings keep status.engine."""
+    """The one engine pod that runs a pending change while its siblings keep status.engine: one of
+    them for a live change, the pod of a canary Deployment beside them for a restart change."""
 
-    pod: str = Field(..., max_length=253, description="The canary pod (the change went to its admin API).")
+    pod: str | None = Field(None, max_length=253, description="The canary pod: the change went to its admin API (a "
+                            "live change), or it is the canary Deployment's pod (unset until that pod is Ready).")
     controls: list[str] = Field(..., max_length=64, description="The untouched pods it is judged against.")
     started_at: Timestamp = Field(..., description="When the canary began running the change (its window starts here).")
     url: str | None = Field(None, max_length=512, description="Where the change was sent (the canary's admin API): "
                             "where it is set back when no verdict comes, only while it is one of the pods' addresses.")
+    deployment: str | None = Field(None, max_length=253, description="A restart change: the canary Deployment, one pod "
+                                   "with the new knobs beside the untouched ones, removed at the verdict.")
 
 
 class PendingChange(CRDModel):

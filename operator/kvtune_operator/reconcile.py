@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from kvtune_engine.config import LIVE_KNOBS, RESTART_KNOBS, ConfigError
 from kvtune_operator import conditions as c
+from kvtune_operator.canary_children import has_canary_pod, restart_canary, sync_canary
 from kvtune_operator.effective import Effective, autotune_mode, effective_engine
 from kvtune_operator.kube import KubeError, now_rfc3339
 from kvtune_operator.model import KNOBS, KNOBS_BY_CAMEL, AutotuneMode, InferenceDeployment, TuningStatus
@@ -248,6 +249,7 @@ class Reconciler:
         held_back: list[str] = []  # children not applied because one they need is not in place
         before_of: dict[str, dict[str, Any] | None] = {}
         status: dict[str, Any] = dict(status_update)
+        canary_args: tuple[str, str] | None = None  # (image, admin key): where a canary may be synced
         try:
             infd = InferenceDeployment.from_body(raw)
         except ValidationError as e:
@@ -283,6 +285,7 @@ class Reconciler:
             key = (admin_key_of(secret) if owned_by(secret, uid) else None) or secrets.token_urlsafe(32)
             children = render_children(infd, effective.config, image=image, pod_monitor=pod_monitor,
                                        allow_namespaces=self.settings.network_allow_namespaces, admin_key=key)
+            canary_args = None if volume_refusal is not None else (image, key)
             objs = apply_order([render_admin_secret(infd, key), *children])
             for obj in objs:
                 kind, md = obj["kind"], obj["metadata"]
@@ -410,6 +413,14 @@ class Reconciler:
             # the tuner's decision is not recorded, so it did not happen: its events would be repeated
             # when the next tick decides it again (after an apiserver outage, say)
             outcome.events = [ev for ev in outcome.events if ev not in extra_events]
+        was_canary = (((old_status.get("tuning") or {}).get("pending") or {}).get("canary") or {}).get("deployment")
+        if outcome.written and canary_args is not None and \
+                (restart_canary(infd.status.tuning if infd.status else None) or was_canary or has_canary_pod(pods)):
+            problem = sync_canary(self.kube, infd, effective.config, running=mode == AutotuneMode.APPLY,
+                                  image=canary_args[0], admin_key=canary_args[1])
+            if problem:
+                log.warning("%s/%s: %s", namespace, name, problem)
+                outcome.retry = outcome.retry or problem
         for ev in outcome.events:
             self.kube.event(raw, ev.type, ev.reason, ev.message)
         return outcome

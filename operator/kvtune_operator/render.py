@@ -55,6 +55,7 @@ LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_INFD = "kvtune.io/inference-deployment"
 ENGINE_APP = "kvtune-engine"
 MANAGED_BY = "kvtune-operator"
+LABEL_CANARY = "kvtune.io/canary"  # the canary Deployment's pod (a restart change on one pod first)
 ANNOTATION_RESTART_HASH = "kvtune.io/restart-hash"
 ANNOTATION_ADMIN_KEY_HASH = "kvtune.io/admin-key-hash"
 ADMIN_KEY_ENV = "KVTUNE_ADMIN_KEY"
@@ -83,6 +84,12 @@ class Names:
 def child_names(name: str) -> Names:
     return Names(deployment=name, service=name, configmap=f"{name}-engine", podmonitor=name,
                  admin_secret=f"{name}-admin-key", networkpolicy=name)
+
+
+def canary_names(name: str) -> Names:
+    """The canary Deployment and its ConfigMap (a restart change runs on one pod first); the rest is
+    the deployment's own (its Service, NetworkPolicy and PodMonitor select the canary's pod too)."""
+    return dataclasses.replace(child_names(name), deployment=f"{name}-canary", configmap=f"{name}-canary-engine")
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -284,17 +291,14 @@ def _tcp(port: int) -> dict[str, Any]:
     return {"port": port, "protocol": "TCP"}
 
 
-def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: str,
-                    pod_monitor: bool, allow_namespaces: tuple[str, ...] = (),
-                    admin_key: str | None = None) -> list[dict[str, Any]]:
-    """The ConfigMap, Deployment, Service, NetworkPolicy (and PodMonitor) of one InferenceDeployment
-    (the admin key's Secret is ``render_admin_secret``'s; ownership.apply_order orders the apply).
-    ``allow_namespaces``: namespaces always admitted by the NetworkPolicy (operator, Prometheus).
-    ``admin_key``: the key in the Secret, whose hash the pod template carries."""
+def _context(infd: InferenceDeployment, config: EngineConfig, image: str, allow_namespaces: tuple[str, ...],
+             admin_key: str | None) -> dict[str, Any]:
+    """What the templates read, for the deployment's own children."""
     name = infd.metadata.name
     vol = infd.spec.weights_volume
-    context = {
+    return {
         "spec": infd.spec,
+        "replicas": infd.spec.replicas,
         "namespace": infd.metadata.namespace,
         "names": child_names(name),
         "labels": common_labels(name),
@@ -324,8 +328,33 @@ def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: s
                            else vol.persistent_volume_claim.read_only,
         "scrape_interval": infd.spec.metrics.scrape_interval,
     }
+
+
+def render_children(infd: InferenceDeployment, config: EngineConfig, *, image: str,
+                    pod_monitor: bool, allow_namespaces: tuple[str, ...] = (),
+                    admin_key: str | None = None) -> list[dict[str, Any]]:
+    """The ConfigMap, Deployment, Service, NetworkPolicy (and PodMonitor) of one InferenceDeployment
+    (the admin key's Secret is ``render_admin_secret``'s; ownership.apply_order orders the apply).
+    ``allow_namespaces``: namespaces always admitted by the NetworkPolicy (operator, Prometheus).
+    ``admin_key``: the key in the Secret, whose hash the pod template carries."""
+    context = _context(infd, config, image, allow_namespaces, admin_key)
     children = [_render("configmap.yaml.j2", context), _render("deployment.yaml.j2", context),
                 _render("service.yaml.j2", context), _render("networkpolicy.yaml.j2", context)]
     if pod_monitor:
         children.append(_render("podmonitor.yaml.j2", context))
     return children
+
+
+def render_canary(infd: InferenceDeployment, config: EngineConfig, *, image: str,
+                  admin_key: str | None = None, replicas: int = 1) -> list[dict[str, Any]]:
+    """The ConfigMap and the Deployment of a restart change's canary: the deployment's pod template
+    with ``config`` (status.engine plus the pending change), its one pod labelled LABEL_CANARY
+    (``replicas`` 0 between canaries: canary_children.py).
+    Its pod carries the deployment's selector labels, so the Service sends it its share and Prometheus
+    scrapes it; the deployment's own ReplicaSets leave it alone (it has its own controller)."""
+    name = infd.metadata.name
+    context = _context(infd, config, image, (), admin_key)
+    canary = {LABEL_CANARY: "true"}
+    context.update(replicas=replicas, names=canary_names(name), labels={**common_labels(name), **canary},
+                   pod_labels={**common_labels(name), **canary}, selector={**selector_labels(name), **canary})
+    return [_render("configmap.yaml.j2", context), _render("deployment.yaml.j2", context)]

@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, MutableMapping
 
 from kvtune_engine.config import RESTART_KNOBS, EngineConfig
@@ -31,6 +31,7 @@ from .model import (KNOBS_BY_CAMEL, TUNING_HISTORY_LIMIT, AutotuneMode, Diagnosi
 from .engine_client import EngineClient, EngineError
 from .prometheus import (MAX_RESPONSE_BYTES, QUERY_DEADLINE_S, MetricsUnavailable, check_allowed, pod_host, pod_ips,
                          read_window)
+from .canary_children import canary_free, is_canary_pod
 from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
 from .rollout import rollout_failure, rollout_pending
@@ -41,8 +42,8 @@ from .tuner.canary import judge_canary
 from .tuner.decide import Decision, knob_changes, window_figures
 from .tuner.loop import Round, measured_figures, tune_round
 from .tuner.observation import WAITING_CAUSES, Observation
-from .tuning_canary import (CanaryTarget, canary_run, choose_target, gates_of, judged, lost, pod_figures, pod_instances,
-                            ready_pods, restarted, waiting)
+from .tuning_canary import (CanaryTarget, canary_pod_ready, canary_run, choose_target, gates_of, judged, lost,
+                            pod_figures, pod_instances, ready_pods, restarted, waiting)
 from .tuning_state import state_from_status, state_status
 from .tuning_record import (TickResult, camel, decision_entry, quoted_figures, quoted_prediction, record,
                             replacing, stamp)
@@ -286,6 +287,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         record(out, tuning, history, entry, event_type)
 
     target, phase, message = current, "Observing", rnd.note
+    started: CanaryTarget | None = None  # the canary a change begins on
     if rnd.verdict is not None:
         v = rnd.verdict
         action = "Keep" if v.keep else "RollBack"
@@ -304,11 +306,15 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     d = rnd.decision
     if d is not None and d.action == "change":
         apply = mode == AutotuneMode.APPLY and not rnd.unreliable  # unreliable predictions: recommend only
-        on_canary = canary if apply and not d.restart and spec.runtime != "vllm" else None
+        on_canary = canary if canary is not None and apply and spec.runtime != "vllm" \
+            and (not d.restart or canary.deployment) else None
         repeated = not apply and (tuning.get("lastChange") or {}).get("after") == camel(d.changes)
         if not repeated:  # Recommend mode: one event per new recommendation, not one per tick
             said = d.explained(rnd.diagnosis.message, rnd.diagnosis.suggestion)
-            if on_canary is not None:
+            if on_canary is not None and d.restart:
+                said += (f"; first on one pod of canary Deployment {on_canary.deployment}, judged against "
+                         f"{', '.join((on_canary.pod, *on_canary.controls))} over the same window")
+            elif on_canary is not None:
                 said += (f"; first on canary pod {on_canary.pod}, judged against {', '.join(on_canary.controls)} "
                          "over the same window")
             note(decision_entry(now, "Apply" if apply else "Recommend", said,
@@ -316,7 +322,12 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
                                 before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
                                 predicted=quoted_prediction({**window_figures(d.predicted), **(d.confidence or {})}
                                                             if d.predicted else None)), "Normal")
-        if on_canary is not None:  # status.engine stays: the other pods keep the old knobs
+        started = on_canary
+        if on_canary is not None and d.restart:  # status.engine stays: the pods keep the old knobs
+            phase = "Canary"
+            message = (f"canary Deployment {on_canary.deployment} starts a pod with {camel(d.changes)}; judged "
+                       "against the other pods over a whole window once it is Ready")
+        elif on_canary is not None:  # status.engine stays: the other pods keep the old knobs
             phase, out.canary_call = "Canary", (on_canary.url, dict(d.changes))
             message = (f"canary pod {on_canary.pod} runs {camel(d.changes)}; judged against "
                        f"{', '.join(on_canary.controls)} over the next window")
@@ -339,8 +350,8 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         out.applied = changes
     tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:],
                   traceSource="synthesized" if gathered.trace_synthesized else "recorded", **state_status(state))
-    if out.canary_call:
-        tuning["pending"] = {**tuning["pending"], "canary": canary_run(on_canary, now)}
+    if started is not None:
+        tuning["pending"] = {**tuning["pending"], "canary": canary_run(started, now, restart=d.restart)}
     out.status_update["tuning"] = replacing(old_tuning, TuningStatus.checked(tuning))
     out.conditions.append(c.predictions_condition(rnd.unreliable, state.prediction_error))
     if gathered.drift is not None:
@@ -351,21 +362,23 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
 
 
 def roll_back_failed_rollout(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus, plan: AutotunePlan,
-                             failure: str, now: float, *, what: str = "the new engine pods did not start") -> TickResult:
+                             failure: str, now: float, *, what: str = "the new engine pods did not start",
+                             canary: bool = False) -> TickResult:
     """The pending restart change's pods never came up (or, ``what``, the engines refused a live
     change): restore the knobs that ran before it (the old pods still serve: maxUnavailable 0), bar
-    the candidate, and say why in the engine's own words. No window is judged: the change never ran."""
+    the candidate, and say why in the engine's own words. No window is judged: the change never ran.
+    ``canary``: only the canary Deployment's pod tried it (no rollout to undo)."""
     out = TickResult()
     objectives = tuner_settings(spec, plan).objectives
     state = state_from_status(status.tuning)
     current = effective_engine(spec, status, plan.mode).config
-    restored = state.fail(now, f"{what}: {failure}", objectives)
+    restored = state.fail(now, f"{what}: {failure}", objectives, rollout=not canary)
     undo = knob_changes(current, restored)
     old_tuning = status.tuning.dump() if status.tuning else {}
     tuning = dict(old_tuning)
     history = list(tuning.get("history") or [])
-    message = (f"{what}: {failure}; rolled back to "
-               f"{camel({k: getattr(restored, k) for k in undo})}, the candidate is barred")
+    message = (f"{what}: {failure}; " + (f"rolled back to {camel({k: getattr(restored, k) for k in undo})}"
+                                         if undo else "no other pod ever ran it") + ", the candidate is barred")
     record(out, tuning, history, decision_entry(
         now, "RollBack", message, cause=status.diagnosis.cause if status.diagnosis else None,
         restart=bool(RESTART_KNOBS & undo.keys()), before={k: getattr(current, k) for k in undo}, after=undo),
@@ -496,6 +509,8 @@ class TuningLoop:
                now: float) -> TickResult:
         status, tuning = infd.status, infd.status.tuning
         pending = tuning.pending if tuning else None
+        if pending is not None and pending.canary is not None:
+            return self._canary_round(namespace, name, infd, plan, now)
         if pending is not None and pending.restart and plan.mode == AutotuneMode.APPLY:
             deployment = self.reconciler.kube.get("apps/v1", "Deployment", namespace, name)
             pods = self.reconciler.kube.list_pods(namespace, selector_string(name))
@@ -514,8 +529,6 @@ class TuningLoop:
                                "new pods"})})
             if now - pending.rolled_out_at.timestamp() < plan.window_s:
                 return TickResult()
-        if pending is not None and pending.canary is not None:
-            return self._canary_round(namespace, name, infd, plan, now)
         pods = self.reconciler.kube.list_pods(namespace, selector_string(name))
         own_pods = self._own_ips(pods)
         admin_key = engine_admin_key(self.reconciler.kube, namespace, name, infd.metadata.uid)
@@ -538,11 +551,17 @@ class TuningLoop:
                 trial, invalid = None, EventSpec("Warning", "InvalidTrial", why)
         scaling = bool(infd.spec.autotune and infd.spec.autotune.bounds and infd.spec.autotune.bounds.replicas)
         autoscaler = autoscaler_of(self.reconciler.kube.autoscalers(namespace), name) if scaling else None
-        target = choose_target(ready_pods(pods), gathered.instances) if plan.mode == AutotuneMode.APPLY else None
+        target = choose_target(ready_pods(p for p in pods if not is_canary_pod(p)), gathered.instances) \
+            if plan.mode == AutotuneMode.APPLY else None
+        if target is not None and infd.spec.runtime != "vllm":  # a restart change runs on a canary Deployment
+            target = replace(target, deployment=canary_free(self.reconciler.kube, infd))
         result = tick(infd.spec, status, plan, gathered, now, trial=trial, autoscaler=autoscaler, canary=target)
         if result.scale is not None:  # the scale subresource, as an autoscaler would (spec.replicas)
             self.reconciler.kube.patch_infd_scale(namespace, name, result.scale)
-        if invalid is not None or (trial is not None and result.applied):  # each value is tried once
+        # each value is tried once: applied to every pod, or begun on a canary (status.engine stays)
+        began = pending is None and \
+            ((result.status_update.get("tuning") or {}).get("pending") or {}).get("source") == "Annotation"
+        if invalid is not None or (trial is not None and (result.applied or began)):
             result.status_update.setdefault("tuning", {})["triedAnnotation"] = tried_key(raw)
         result.events[:0] = [invalid] if invalid else []
         return result
@@ -562,23 +581,34 @@ class TuningLoop:
                       now: float) -> TickResult:
         """A round while a canary runs the pending change (tuning_canary.py): keep it running the
         change, and once a whole window has passed judge it against its controls, then promote it
-        (status.engine) or set it back and roll back."""
+        (status.engine) or set it back and roll back. A live change's canary is one of the pods (its
+        admin API took the change); a restart change's is the canary Deployment's pod, every other
+        pod its control, and setting it back is the canary Deployment going to zero (the reconcile
+        does so once the change is no longer pending)."""
         spec, status = infd.spec, infd.status
         run = status.tuning.pending.canary
         pending = state_from_status(status.tuning).pending
         changes = dict(pending.changes)
         undo = {k: pending.before[k] for k in changes}
-        elapsed = now - run.started_at.timestamp()
+        restart = bool(run.deployment)
         gates = gates_of(spec)
-        window = min(elapsed, gates.max_windows * plan.window_s)  # all it ran: an unsettled verdict measures on
         pods = self.reconciler.kube.list_pods(namespace, selector_string(name))
         own = self._own_ips(pods)
-        if run.pod not in {(p.get("metadata") or {}).get("name") for p in pods}:
-            return lost(spec, status, plan, f"canary pod {run.pod} went before its verdict (a replacement reads "
-                                            "status.engine)", now)
         admin_key = engine_admin_key(self.reconciler.kube, namespace, name, infd.metadata.uid)
         if plan.mode != AutotuneMode.APPLY:  # nothing is applied in Recommend or Off: no verdict, set it back
-            return self._stand_down(spec, status, plan, admin_key, own, now, f"autotune mode is {plan.mode.value}")
+            why = f"autotune mode is {plan.mode.value}"
+            if restart:
+                return lost(spec, status, plan, f"{why}: canary Deployment {run.deployment} goes to zero pods", now)
+            return self._stand_down(spec, status, plan, admin_key, own, now, why)
+        if restart:
+            early = self._canary_pod(namespace, infd, plan, pods, now)
+            if early is not None:
+                return early
+        elif run.pod not in {(p.get("metadata") or {}).get("name") for p in pods}:
+            return lost(spec, status, plan, f"canary pod {run.pod} went before its verdict (a replacement reads "
+                                            "status.engine)", now)
+        elapsed = now - run.started_at.timestamp()
+        window = min(elapsed, gates.max_windows * plan.window_s)  # all it ran: an unsettled verdict measures on
         try:
             check_allowed(plan.prometheus_url, self.settings.prometheus_allowlist)
             if window < MIN_WINDOW_S:
@@ -591,12 +621,13 @@ class TuningLoop:
         scraped = pod_instances(w.series, own)
         if run.pod not in scraped:
             if elapsed > 2 * plan.window_s:  # what Prometheus does not scrape cannot be judged
-                return self._stand_down(spec, status, plan, admin_key, own, now,
-                                        f"canary pod {run.pod} has not been in Prometheus' window for {elapsed:.0f}s")
+                why = f"canary pod {run.pod} has not been in Prometheus' window for {elapsed:.0f}s"
+                return lost(spec, status, plan, why, now) if restart else \
+                    self._stand_down(spec, status, plan, admin_key, own, now, why)
             return waiting(status, f"canary pod {run.pod} is not in Prometheus' window; waiting for it")
-        engine = self._engine(scraped[run.pod], admin_key, own)
+        engine = None if restart else self._engine(scraped[run.pod], admin_key, own)
         try:
-            running = engine.config().config
+            running = engine.config().config if engine is not None else changes
             if any(running.get(k) != v for k, v in changes.items()):  # restarted, or its ConfigMap reloaded
                 engine.set_config(changes)
                 return restarted(status, now, f"canary pod {run.pod} no longer ran {camel(changes)}: sent it again; "
@@ -610,15 +641,19 @@ class TuningLoop:
             return waiting(status, f"canary pod {run.pod} runs {camel(changes)}; the verdict comes after a whole "
                                    f"{plan.window_s:.0f}s window ({plan.window_s - elapsed:.0f}s left)")
         ready = ready_pods(pods)
-        controls = [x for x in run.controls if x in scraped and x in ready]
+        # a restart change's controls: every pod of the deployment's own that serves now (none runs the change)
+        candidates = sorted(ready_pods(p for p in pods if not is_canary_pod(p))) if restart else run.controls
+        controls = [x for x in candidates if x in scraped and x in ready]
         if not controls:
-            try:
-                engine.set_config(undo)
-            except EngineError as e:
-                return waiting(status, f"no control left, and setting canary pod {run.pod} back failed: {e}; "
-                                       "trying again")
-            return lost(spec, status, plan, f"no control pod of {', '.join(run.controls)} is left to judge canary "
-                                            f"{run.pod} against", now)
+            why = (f"no control pod of {', '.join(candidates) or 'the deployment'} is left to judge canary "
+                   f"{run.pod} against")
+            if engine is not None:
+                try:
+                    engine.set_config(undo)
+                except EngineError as e:
+                    return waiting(status, f"no control left, and setting canary pod {run.pod} back failed: {e}; "
+                                           "trying again")
+            return lost(spec, status, plan, why, now)
         objectives = tuner_settings(spec, plan).objectives
         current = effective_engine(spec, status, plan.mode).config
         slo = (objectives.slo_ttft_s, objectives.slo_tpot_s)
@@ -627,13 +662,36 @@ class TuningLoop:
         if not j.settled and elapsed < gates.max_windows * plan.window_s:
             return waiting(status, f"canary pod {run.pod} after {elapsed:.0f}s: its gates read within their sampling "
                                    f"noise ({j.reason}); measuring on, for at most {gates.max_windows} windows")
-        if not j.promote:
+        if not j.promote and engine is not None:
             try:
                 engine.set_config(undo)
             except EngineError as e:
                 return waiting(status, f"the canary is reverted, but setting pod {run.pod} back failed: {e}; "
                                        "trying again")
         return judged(spec, status, plan, j, measured, now)
+
+    def _canary_pod(self, namespace: str, infd: InferenceDeployment, plan: AutotunePlan,
+                    pods: list[dict[str, Any]], now: float) -> TickResult | None:
+        """A restart change's canary until its pod serves: rolled back (the candidate barred, no other
+        pod ever ran it) when that pod's engine cannot start on the new knobs, waited for until its pod
+        is Ready, its window started again when the pod is a new one; None once it has run the change
+        since the window began."""
+        spec, status = infd.spec, infd.status
+        run, pending = status.tuning.pending.canary, status.tuning.pending
+        mine = [p for p in pods if is_canary_pod(p) and not (p.get("metadata") or {}).get("deletionTimestamp")]
+        deployment = self.reconciler.kube.get("apps/v1", "Deployment", namespace, run.deployment)
+        failure = rollout_failure(mine, deployment, pending.restart_hash)
+        if failure:
+            return roll_back_failed_rollout(spec, status, plan, failure, now, canary=True,
+                                            what=f"canary Deployment {run.deployment} did not start")
+        ready = sorted(ready_pods(mine))
+        if run.pod in ready:
+            return None
+        if ready:  # its first pod, or one that replaced it: the window starts now
+            return canary_pod_ready(status, ready[0], now)
+        waited = now - run.started_at.timestamp()
+        return waiting(status, f"canary Deployment {run.deployment}: waiting for its pod to be Ready ({waited:.0f}s); "
+                               "the verdict comes a whole window after it is")
 
     def _stand_down(self, spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus, plan: AutotunePlan,
                     admin_key: str | None, own: set[str], now: float, why: str) -> TickResult:

@@ -35,10 +35,13 @@ from .tuning_state import state_from_status, state_status
 @dataclass(frozen=True)
 class CanaryTarget:
     """The pod a new live change goes to first (``url``: where Prometheus scrapes it, its admin API),
-    and the siblings it is judged against."""
+    and the siblings it is judged against; ``deployment``: the canary Deployment a restart change
+    runs in first, all of ``pod`` and ``controls`` its controls (empty: the name is somebody else's,
+    and a restart change is judged before/after)."""
     pod: str
     url: str
     controls: tuple[str, ...]
+    deployment: str = ""
 
 
 def ready_pods(pods: Iterable[Mapping[str, Any]]) -> set[str]:
@@ -90,9 +93,25 @@ def gates_of(spec: InferenceDeploymentSpec) -> Gates:
     return replace(gates, max_windows=canary.max_windows) if canary is not None and canary.max_windows else gates
 
 
-def canary_run(target: CanaryTarget, now: float) -> dict[str, Any]:
-    """status.tuning.pending.canary for a change that starts on ``target`` now."""
+def canary_run(target: CanaryTarget, now: float, *, restart: bool) -> dict[str, Any]:
+    """status.tuning.pending.canary for a change that starts on ``target`` now: a live change on its
+    pod, a restart change on the canary Deployment's pod (named once it is Ready; every pod its control)."""
+    if restart:
+        return CanaryRun(controls=[target.pod, *target.controls], started_at=stamp(now),
+                         deployment=target.deployment).dump()
     return CanaryRun(pod=target.pod, controls=list(target.controls), started_at=stamp(now), url=target.url).dump()
+
+
+def canary_pod_ready(status: InferenceDeploymentStatus, pod: str, now: float) -> TickResult:
+    """The canary Deployment's pod ``pod`` is Ready (a first one, or a replacement): its window starts now."""
+    tuning = status.tuning.dump()
+    run = status.tuning.pending.canary
+    changes = camel(state_from_status(status.tuning).pending.changes)
+    pending = {**tuning["pending"], "canary": run.model_copy(update={"pod": pod, "started_at": stamp(now)}).dump()}
+    return TickResult(status_update={"tuning": TuningStatus.checked(
+        {**tuning, "pending": pending, "phase": "Canary",
+         "message": f"canary pod {pod} of Deployment {run.deployment} is Ready and runs {changes}; judged against "
+                    "the other pods after a whole window"})})
 
 
 def restarted(status: InferenceDeploymentStatus, now: float, why: str) -> TickResult:
@@ -134,7 +153,7 @@ def _conclude(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus, 
         record(out, tuning, history, entry, "Warning")
         phase = "Observing"
     else:
-        state.conclude(verdict, now, objectives)
+        state.conclude(verdict, now, objectives, rollout=False)  # a canary's revert rolls no pod
         state.track_prediction(verdict.prediction_error_ratio, now, settings.thresholds, objectives.bad_memory_s)
         undo = {} if verdict.keep else {k: getattr(current, k) for k in changes}
         entry = decision_entry(now, "Keep" if verdict.keep else "RollBack", message, cause=cause,

@@ -92,6 +92,8 @@ def test_crash_loop_shows_exit_code_message_restarts_and_back_off(controlplane, 
 
 
 def test_ready_only_once_the_probe_answers_and_rollouts_wait_for_it(controlplane, pod_node, namespace):
+    """Time (~15 s): readiness probes every 5 s, and the rollout's 10 s progress deadline, which must
+    pass before the Deployment reads ProgressDeadlineExceeded."""
     container = {
         "command": ["python3", str(HEALTH_SERVER), "/gate/ready"],
         "ports": [{"containerPort": 8000, "name": "http"}],

@@ -220,7 +220,8 @@ def delete_and_wait(controlplane, pod_node, ns: str, name: str) -> None:
     (60 s by default); its Deployment is deleted here directly (the operator no longer reconciles a
     resource that is being deleted)."""
     controlplane.kubectl("delete", "infd", name, "-n", ns, "--wait=false")
-    controlplane.kubectl("delete", "deployment", name, "-n", ns, "--wait=false", check=False)
+    controlplane.kubectl("delete", "deployment", name, f"{name}-canary", "-n", ns, "--wait=false",
+                         "--ignore-not-found", check=False)
     eventually(lambda: not [p for p in pod_node.pods.values() if p.namespace == ns
                             and p.labels.get(LABEL) == name],
                timeout=60, what=f"the {name} engine processes to stop")

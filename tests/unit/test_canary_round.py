@@ -1,7 +1,8 @@
 """The canary round's pure halves (tuning.tick with a canary target, tuning_canary): with siblings a live
 change goes to one pod first and status.engine stays until the canary is promoted; a revert bars the
-candidate; a canary that cannot be judged is dropped unbarred; a restart change still rolls every pod;
-each pod's figures come from its own series only. The I/O half runs in
+candidate; a canary that cannot be judged is dropped unbarred; a restart change with no canary
+Deployment to run on (tests/unit/test_canary_restart.py) rolls every pod; each pod's figures come
+from its own series only. The I/O half runs in
 tests/integration/test_canary_replicas.py against three real engines."""
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ def test_a_canary_that_cannot_be_judged_is_dropped_unbarred(started):
     assert t["pending"] is None and not t.get("rejected") and "engine" not in out.status_update
 
 
-def test_a_restart_change_rolls_every_pod_even_with_siblings():
+def test_a_restart_change_rolls_every_pod_when_no_canary_deployment_may_run():
     obj = infd("Apply")
     gathered = window(effective_engine(obj.spec, None, AutotuneMode.APPLY).config)
     res = tick(obj.spec, obj.status, plan_of(obj), gathered, now=NOW, base_profile=PROFILE, canary=TARGET,

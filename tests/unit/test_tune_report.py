@@ -12,6 +12,8 @@ from kvtune_operator.model import InferenceDeployment
 
 
 def test_tune_report_on_the_seq_cap_scenario(tmp_path):
+    """Time (~15 s on two cores): the search replays the scenario's trace in the simulator once for each
+    candidate it weighs, as `kvtune tune` does for a user."""
     runner = CliRunner()
     trace = tmp_path / "seq-cap.jsonl"
     r = runner.invoke(main, ["trace", "gen", "--scenario", "seq-cap", "-o", str(trace)])

@@ -467,13 +467,14 @@ class TunerState:
         v = judge(p.before_figures, measured, p.predicted_figures, objectives.regression_threshold, counterfactual)
         return v, self.conclude(v, now, objectives)
 
-    def conclude(self, v: Verdict, now: float, objectives: Objectives) -> EngineConfig:
+    def conclude(self, v: Verdict, now: float, objectives: Objectives, *, rollout: bool = True) -> EngineConfig:
         """End the pending change with verdict ``v`` (``verify``'s, or a canary's judged against its
-        siblings): the config to run next, the rolled-back candidate barred."""
+        siblings): the config to run next, the rolled-back candidate barred. ``rollout`` False: a
+        rollback undoes no rollout (a canary ran the change alone)."""
         if self.phase != "Verifying" or self.pending is None:
             raise ValueError("nothing to verify")
         p = self.pending
-        nxt = EngineConfig.model_validate(p.after) if v.keep else self._roll_back(now, v.reason, objectives)
+        nxt = EngineConfig.model_validate(p.after) if v.keep else self._roll_back(now, v.reason, objectives, rollout)
         self._log({"at": now, "event": "kept" if v.keep else "rolled_back", "changes": dict(p.changes),
                    "restart": p.restart, "reason": v.reason, "predicted": p.predicted_figures,
                    "measured": dict(v.measured), "before": p.before_figures,
@@ -482,26 +483,27 @@ class TunerState:
         self.phase = "Idle"
         return nxt
 
-    def fail(self, now: float, reason: str, objectives: Objectives) -> EngineConfig:
+    def fail(self, now: float, reason: str, objectives: Objectives, *, rollout: bool = True) -> EngineConfig:
         """The pending change could not run at all (its pods never came up): roll it back without a
-        window to judge, bar the candidate, and return the config to restore."""
+        window to judge, bar the candidate, and return the config to restore (``rollout`` False: only
+        a canary tried it)."""
         if self.phase != "Verifying" or self.pending is None:
             raise ValueError("nothing to roll back")
         p = self.pending
-        nxt = self._roll_back(now, reason, objectives)
+        nxt = self._roll_back(now, reason, objectives, rollout)
         self._log({"at": now, "event": "failed", "changes": dict(p.changes), "restart": p.restart,
                    "reason": reason, "before": p.before_figures})
         self.pending = None
         self.phase = "Idle"
         return nxt
 
-    def _roll_back(self, now: float, reason: str, objectives: Objectives) -> EngineConfig:
+    def _roll_back(self, now: float, reason: str, objectives: Objectives, rollout: bool) -> EngineConfig:
         p = self.pending
         assert p is not None
         key = config_key(EngineConfig.model_validate(p.after))
         self.bad[key] = now + objectives.bad_memory_s
         self.bad_reasons[key] = (now, reason)
-        if p.restart:  # undoing a restart change is itself a rollout
+        if p.restart and rollout:  # undoing a restart change is itself a rollout
             self.restarts += 1
             self.last_restart_at = now
         return EngineConfig.model_validate(p.before)
