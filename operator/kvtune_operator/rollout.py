@@ -28,6 +28,12 @@ def _failed_starts(cs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     return int(cs.get("restartCount") or 0) + (1 if now else 0), latest
 
 
+def template_restart_hash(deployment: dict[str, Any] | None) -> str | None:
+    """The restart hash of the pods ``deployment`` makes now (its pod template's annotation)."""
+    template = (((deployment or {}).get("spec") or {}).get("template") or {}).get("metadata") or {}
+    return (template.get("annotations") or {}).get(ANNOTATION_RESTART_HASH)
+
+
 def rollout_failure(pods: Iterable[dict[str, Any]], deployment: dict[str, Any] | None, restart_hash: str | None,
                     *, failed_starts: int = FAILED_STARTS) -> str | None:
     """Why the rollout to ``restart_hash`` failed, in the engine's words; None while it may still succeed."""
@@ -46,8 +52,7 @@ def rollout_failure(pods: Iterable[dict[str, Any]], deployment: dict[str, Any] |
                         f"{n} times{f' ({waiting})' if waiting else ''}"
                         + (f": {why[-1][-1000:]}" if why else ""))
     if deployment:
-        template = ((deployment.get("spec") or {}).get("template") or {}).get("metadata") or {}
-        if (template.get("annotations") or {}).get(ANNOTATION_RESTART_HASH) == restart_hash:
+        if template_restart_hash(deployment) == restart_hash:
             for cond in (deployment.get("status") or {}).get("conditions") or []:
                 if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
                     return f"Deployment {deployment['metadata'].get('name')}: {cond.get('message') or 'ProgressDeadlineExceeded'}"

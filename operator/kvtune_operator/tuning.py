@@ -34,7 +34,7 @@ from .prometheus import (MAX_RESPONSE_BYTES, QUERY_DEADLINE_S, MetricsUnavailabl
 from .canary_children import canary_free, is_canary_pod
 from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
-from .rollout import rollout_failure, rollout_pending
+from .rollout import rollout_failure, rollout_pending, template_restart_hash
 from .round_queue import Admission, RoundQueue
 from .scaling import autoscaler_of, replica_target, replicas_needed
 from .tuner.backlog import in_engine
@@ -66,7 +66,7 @@ class Gathered:
     #: among them) and where this window starts, in the trace's clock: the verdict's replay runs them
     lead: list[dict[str, Any]] = field(default_factory=list)
     window_start: float | None = None
-    #: pod name -> where Prometheus scrapes it (this deployment's own pods; runtime kvtune)
+    #: pod name -> where Prometheus scrapes it (this deployment's own pods)
     instances: dict[str, str] = field(default_factory=dict)
     #: where the engines' own report contradicts the knobs the operator gave them (runtime vllm)
     drift: tuple[str, ...] | None = None
@@ -92,10 +92,11 @@ def gather(plan: AutotunePlan, namespace: str, name: str, spec: InferenceDeploym
     if spec.runtime == "vllm":  # no admin API: vLLM's series alone, the knobs from its command line
         objectives = tuner_settings(spec, plan).objectives
         config = running or baseline_config(spec)
-        obs, trace, window, found = gather_vllm(plan, namespace, name, config, window,
-                                                slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s,
-                                                timeout_s=timeout_s, left_to_engine=left_to_engine(spec, config))
-        return Gathered(obs, trace, window, trace_synthesized=True, drift=tuple(found))
+        obs, trace, window, series, found = gather_vllm(
+            plan, namespace, name, config, window, slo_ttft_s=objectives.slo_ttft_s, slo_tpot_s=objectives.slo_tpot_s,
+            timeout_s=timeout_s, left_to_engine=left_to_engine(spec, config))
+        return Gathered(obs, trace, window, trace_synthesized=True, drift=tuple(found),
+                        instances=pod_instances(series, pods))
     w = read_window(plan.prometheus_url, namespace, name, window, timeout_s=timeout_s, max_bytes=max_bytes)
     errors, young = [], []
     for inst in w.instances:
@@ -306,24 +307,24 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     d = rnd.decision
     if d is not None and d.action == "change":
         apply = mode == AutotuneMode.APPLY and not rnd.unreliable  # unreliable predictions: recommend only
-        on_canary = canary if canary is not None and apply and spec.runtime != "vllm" \
-            and (not d.restart or canary.deployment) else None
+        restart = d.restart or spec.runtime == "vllm"  # vLLM changes no knob live
+        on_canary = canary if canary is not None and apply and (not restart or canary.deployment) else None
         repeated = not apply and (tuning.get("lastChange") or {}).get("after") == camel(d.changes)
         if not repeated:  # Recommend mode: one event per new recommendation, not one per tick
             said = d.explained(rnd.diagnosis.message, rnd.diagnosis.suggestion)
-            if on_canary is not None and d.restart:
+            if on_canary is not None and restart:
                 said += (f"; first on one pod of canary Deployment {on_canary.deployment}, judged against "
                          f"{', '.join((on_canary.pod, *on_canary.controls))} over the same window")
             elif on_canary is not None:
                 said += (f"; first on canary pod {on_canary.pod}, judged against {', '.join(on_canary.controls)} "
                          "over the same window")
             note(decision_entry(now, "Apply" if apply else "Recommend", said,
-                                cause=rnd.diagnosis.cause, restart=d.restart or spec.runtime == "vllm",
+                                cause=rnd.diagnosis.cause, restart=restart,
                                 before={k: getattr(d.current, k) for k in d.changes}, after=d.changes,
                                 predicted=quoted_prediction({**window_figures(d.predicted), **(d.confidence or {})}
                                                             if d.predicted else None)), "Normal")
         started = on_canary
-        if on_canary is not None and d.restart:  # status.engine stays: the pods keep the old knobs
+        if on_canary is not None and restart:  # status.engine stays: the pods keep the old knobs
             phase = "Canary"
             message = (f"canary Deployment {on_canary.deployment} starts a pod with {camel(d.changes)}; judged "
                        "against the other pods over a whole window once it is Ready")
@@ -351,7 +352,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
     tuning.update(mode=mode.value, phase=phase, message=message or "", history=history[-TUNING_HISTORY_LIMIT:],
                   traceSource="synthesized" if gathered.trace_synthesized else "recorded", **state_status(state))
     if started is not None:
-        tuning["pending"] = {**tuning["pending"], "canary": canary_run(started, now, restart=d.restart)}
+        tuning["pending"] = {**tuning["pending"], "canary": canary_run(started, now, restart=restart)}
     out.status_update["tuning"] = replacing(old_tuning, TuningStatus.checked(tuning))
     out.conditions.append(c.predictions_condition(rnd.unreliable, state.prediction_error))
     if gathered.drift is not None:
@@ -553,7 +554,7 @@ class TuningLoop:
         autoscaler = autoscaler_of(self.reconciler.kube.autoscalers(namespace), name) if scaling else None
         target = choose_target(ready_pods(p for p in pods if not is_canary_pod(p)), gathered.instances) \
             if plan.mode == AutotuneMode.APPLY else None
-        if target is not None and infd.spec.runtime != "vllm":  # a restart change runs on a canary Deployment
+        if target is not None:  # a restart change (every change on vLLM) runs on a canary Deployment
             target = replace(target, deployment=canary_free(self.reconciler.kube, infd))
         result = tick(infd.spec, status, plan, gathered, now, trial=trial, autoscaler=autoscaler, canary=target)
         if result.scale is not None:  # the scale subresource, as an autoscaler would (spec.replicas)
@@ -614,7 +615,7 @@ class TuningLoop:
             if window < MIN_WINDOW_S:
                 raise MetricsUnavailable("WindowTooShort", f"the canary has run the change for {elapsed:.0f}s; "
                                          f"waiting for at least {MIN_WINDOW_S:.0f}s of its metrics")
-            w = read_window(plan.prometheus_url, namespace, name, window)
+            w = read_window(plan.prometheus_url, namespace, name, window, runtime=spec.runtime)
         except MetricsUnavailable as e:
             return TickResult(conditions=[c.Cond("MetricsAvailable", "False", e.reason,
                                                  f"{e}. The canary keeps waiting for its verdict.")])
@@ -657,8 +658,10 @@ class TuningLoop:
         objectives = tuner_settings(spec, plan).objectives
         current = effective_engine(spec, status, plan.mode).config
         slo = (objectives.slo_ttft_s, objectives.slo_tpot_s)
-        canary, measured = pod_figures(w.series, run.pod, window, current.with_changes(**changes), *slo)
-        j = judge_canary(canary, [pod_figures(w.series, x, window, current, *slo)[0] for x in controls], gates, window)
+        canary, measured = pod_figures(w.series, run.pod, window, current.with_changes(**changes), *slo,
+                                       runtime=spec.runtime)
+        j = judge_canary(canary, [pod_figures(w.series, x, window, current, *slo, runtime=spec.runtime)[0]
+                                  for x in controls], gates, window)
         if not j.settled and elapsed < gates.max_windows * plan.window_s:
             return waiting(status, f"canary pod {run.pod} after {elapsed:.0f}s: its gates read within their sampling "
                                    f"noise ({j.reason}); measuring on, for at most {gates.max_windows} windows")
@@ -677,10 +680,10 @@ class TuningLoop:
         is Ready, its window started again when the pod is a new one; None once it has run the change
         since the window began."""
         spec, status = infd.spec, infd.status
-        run, pending = status.tuning.pending.canary, status.tuning.pending
+        run = status.tuning.pending.canary
         mine = [p for p in pods if is_canary_pod(p) and not (p.get("metadata") or {}).get("deletionTimestamp")]
         deployment = self.reconciler.kube.get("apps/v1", "Deployment", namespace, run.deployment)
-        failure = rollout_failure(mine, deployment, pending.restart_hash)
+        failure = rollout_failure(mine, deployment, template_restart_hash(deployment))
         if failure:
             return roll_back_failed_rollout(spec, status, plan, failure, now, canary=True,
                                             what=f"canary Deployment {run.deployment} did not start")

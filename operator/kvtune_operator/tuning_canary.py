@@ -1,16 +1,18 @@
-"""Canary rounds: a live change goes to one engine pod first, is judged against its untouched siblings
-over the same window (``tuner/canary.py``'s pure verdict), then promoted to every pod or reverted.
+"""Canary rounds: a change goes to one engine pod first, is judged against its untouched siblings over
+the same window (``tuner/canary.py``'s pure verdict), then promoted to every pod or reverted.
 
-Which changes: Apply mode, runtime kvtune, two or more Ready engine pods Prometheus scrapes, a change
-of live knobs only. A restart change rolls every pod, and vLLM has no live knob: those keep the
-before/after verdict, as one replica does. The canary takes the change through its admin API
-(``PATCH /kvtune/v1/config``); its siblings keep the ConfigMap's knobs, which change only on Promote
-(status.engine). A revert sets the canary's knobs back through the same API.
+Which changes: Apply mode, two or more Ready engine pods Prometheus scrapes. A live change goes to
+one of them through its admin API (``PATCH /kvtune/v1/config``); a revert sets it back through the
+same API. A restart change, and every change on vLLM (no admin API, no live knob), runs on one extra
+pod, the canary Deployment's (``canary_children.py``), every other pod its control; a revert is that
+Deployment going to zero pods. The siblings keep their knobs (ConfigMap, command line), which change
+only on Promote (status.engine). One replica, and a canary Deployment name taken by somebody else's
+object, keep the before/after verdict.
 
 Invariant: status.engine is what every engine pod runs but the one ``status.tuning.pending.canary``
 names; the canary runs status.engine plus the pending change, and the window that judges it starts
-when it last began running the change (a restarted canary pod loses it: it is sent again and its
-window starts again).
+when it last began running the change (a restarted live canary loses it: it is sent again and its
+window starts again; a canary Deployment's new pod starts its window when it is Ready).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from .tuner.loop import measured_figures
 from .tuner.observation import Observation
 from .tuning_record import TickResult, camel, decision_entry, quoted_figures, quoted_prediction, record, replacing, stamp
 from .tuning_state import state_from_status, state_status
+from .tuning_vllm import pod_reading
 
 
 @dataclass(frozen=True)
@@ -75,13 +78,18 @@ def choose_target(ready: set[str], scraped: Mapping[str, str]) -> CanaryTarget |
 
 
 def pod_figures(series: Iterable[Mapping[str, Any]], pod: str, window_s: float, config: EngineConfig,
-                slo_ttft_s: float | None, slo_tpot_s: float | None) -> tuple[PodFigures, dict[str, float]]:
+                slo_ttft_s: float | None, slo_tpot_s: float | None,
+                runtime: str = "kvtune") -> tuple[PodFigures, dict[str, float]]:
     """One pod's window from the deployment's series: the canary gates' figures and the figures a
     verdict quotes (the same reading of the histograms as the deployment's own window)."""
     mine = [s for s in series if (s.get("metric") or {}).get("pod") == pod]
-    f, _ = window_figures(mine, window_s)
-    obs = Observation.from_metrics(f, window_s=window_s, config=config, slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
-    errors = sum(f.get("kvtune_requests_finished_total", finish_reason=r) or 0.0 for r in ("error", "rejected"))
+    if runtime == "vllm":
+        obs, errors = pod_reading(mine, window_s, config, slo_ttft_s, slo_tpot_s)
+    else:
+        f, _ = window_figures(mine, window_s)
+        obs = Observation.from_metrics(f, window_s=window_s, config=config, slo_ttft_s=slo_ttft_s,
+                                       slo_tpot_s=slo_tpot_s)
+        errors = sum(f.get("kvtune_requests_finished_total", finish_reason=r) or 0.0 for r in ("error", "rejected"))
     return (PodFigures(pod, float(obs.requests_finished), obs.goodput_requests_per_s * window_s,
                        obs.output_tokens_per_s * window_s, errors, obs.ttft_p99_s or None),
             measured_figures(obs))

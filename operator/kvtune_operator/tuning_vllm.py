@@ -14,8 +14,8 @@ from typing import Any
 
 from kvtune_engine.config import EngineConfig
 
-from .prometheus import QUERY_DEADLINE_S, MetricsUnavailable, read_window
-from .tuner.observation import StepSample
+from .prometheus import QUERY_DEADLINE_S, MetricsUnavailable, read_window, window_figures
+from .tuner.observation import Observation, StepSample
 from .tuner.vllm_drift import drift
 from .tuner import vllm_steps
 from .tuner.vllm_observation import GaugeSample, VllmAssumptions, prompt_tokens_mean, read_vllm
@@ -79,12 +79,29 @@ def _engines_changed(series: list[dict[str, Any]], window: float, now: float) ->
     return at, sorted(i for i, (a, b) in spans.items() if a >= at - slack and b >= now - slack)
 
 
+def command_line(config: EngineConfig) -> VllmAssumptions:
+    """What vLLM does not export, from the config the operator put on its pods' command line."""
+    return VllmAssumptions(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+                           max_model_len=config.max_model_len, given_by="the pods' command line")
+
+
+def pod_reading(series: list[dict[str, Any]], window_s: float, config: EngineConfig, slo_ttft_s: float | None,
+                slo_tpot_s: float | None) -> tuple[Observation, float]:
+    """One vLLM pod's window from its own series (a canary's, or a control's): the deployment's reading
+    of a window, and the requests that ended in an abort or an error."""
+    f, _ = window_figures(series, window_s)
+    obs = read_vllm(f, gauge_samples(series), window_s=window_s, assume=command_line(config),
+                    slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s).observation
+    return obs, sum(f.get("vllm:request_success_total", finished_reason=r) or 0.0 for r in ("abort", "error"))
+
+
 def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, window: float, *,
                 slo_ttft_s: float | None = None, slo_tpot_s: float | None = None, timeout_s: float = QUERY_DEADLINE_S,
                 now: float | None = None, left_to_engine: frozenset[str] = frozenset()):
-    """(Observation, synthesized trace, window, drift) of the vLLM pods of one InferenceDeployment:
-    ``drift`` the findings where their cache_config_info contradicts ``config``, the knobs on their
-    command line (``left_to_engine``: the knobs not on it), see `tuner.vllm_drift`.
+    """(Observation, synthesized trace, window, series, drift) of the vLLM pods of one
+    InferenceDeployment: ``series`` the window's as Prometheus returned them (per pod), ``drift`` the
+    findings where their cache_config_info contradicts ``config``, the knobs on their command line
+    (``left_to_engine``: the knobs not on it), see `tuner.vllm_drift`.
 
     No window that spans a change of the engines is judged: after a rollout the tuner waits for a
     whole window of the new engines alone. A new vLLM's first seconds of serving (its first batches,
@@ -98,9 +115,7 @@ def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, wind
         raise MetricsUnavailable("WindowTooShort", f"the vLLM engines changed {now - at:.0f}s ago "
                                  f"({', '.join(new) or 'an engine left'}); waiting for a whole {window:.0f}s "
                                  "window of theirs")
-    assume = VllmAssumptions(max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-                             max_model_len=config.max_model_len, given_by="the pods' command line")
-    reading = read_vllm(w.figures, gauge_samples(w.series or []), window_s=window, assume=assume,
+    reading = read_vllm(w.figures, gauge_samples(w.series or []), window_s=window, assume=command_line(config),
                         slo_ttft_s=slo_ttft_s, slo_tpot_s=slo_tpot_s)
     seen = reading.observation.config
     obs_config = config.with_changes(**{k: getattr(seen, k) for k in READ_BACK})
@@ -109,4 +124,4 @@ def gather_vllm(plan: Any, namespace: str, name: str, config: EngineConfig, wind
                                     frontend_s=vllm_steps.frontend_s(w.figures, samples))
     infos = {tuple(sorted(s["metric"].items())) for s in w.series or []
              if s["metric"].get("__name__") == "vllm:cache_config_info"}
-    return obs, reading.trace, window, drift([dict(i) for i in sorted(infos)], config, left_to_engine)
+    return obs, reading.trace, window, w.series or [], drift([dict(i) for i in sorted(infos)], config, left_to_engine)

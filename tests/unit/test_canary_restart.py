@@ -11,17 +11,20 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from kvtune_engine.config import EngineConfig
+
 import pytest
 
 from kvtune_operator.canary_children import canary_free
 from kvtune_operator.effective import effective_engine
-from kvtune_operator.model import AutotuneMode
+from kvtune_operator.model import AutotuneMode, InferenceDeployment
 from kvtune_operator.reconcile import Reconciler
 from kvtune_operator.render import LABEL_CANARY
 from kvtune_operator.settings import Settings
 from kvtune_operator.tuner.canary import PodFigures, judge_canary
 from kvtune_operator.tuning import TuningLoop, tick
-from kvtune_operator.tuning_canary import CanaryTarget, judged
+from kvtune_operator.tuning_canary import CanaryTarget, judged, pod_figures
+from tests.infd import infd_body
 from kvtune_operator.tuning_state import state_from_status
 
 from test_operator_reconcile import FakeKube
@@ -102,8 +105,9 @@ def test_the_reconcile_runs_one_canary_pod_while_pending_and_none_after_the_verd
 def test_a_canary_pod_that_cannot_start_is_rolled_back_and_its_candidate_barred(started):
     obj, res = started
     kube = _cluster(obj, stored({}, res.status_update))
+    Reconciler(kube, SETTINGS).reconcile("llm", "chat")  # the canary Deployment, as the decision's reconcile made it
     loop = TuningLoop(Reconciler(kube, SETTINGS), SETTINGS, clock=lambda: NOW + 40)
-    hash_ = res.status_update["tuning"]["pending"]["restartHash"]
+    hash_ = _deployment(kube, "chat-canary")["spec"]["template"]["metadata"]["annotations"]["kvtune.io/restart-hash"]
     sibling = {"metadata": {"name": "chat-a", "labels": {}},
                "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]}}
     crashed = {"metadata": {"name": "chat-canary-1", "labels": {LABEL_CANARY: "true"},
@@ -118,6 +122,7 @@ def test_a_canary_pod_that_cannot_start_is_rolled_back_and_its_candidate_barred(
     assert last["action"] == "RollBack" and "canary Deployment chat-canary did not start" in last["message"]
     assert "no room for one KV block" in last["message"] and "no other pod ever ran it" in last["message"]
     assert "pending" not in t and t["rejected"][0]["knobs"]["blockSize"] == 32 and t.get("restarts") == 1
+    assert _deployment(kube, "chat-canary")["spec"]["replicas"] == 0                # its pod goes
     assert "engine" not in kube.infd("chat")["status"] or kube.infd("chat")["status"]["engine"].get("blockSize") != 32
 
 
@@ -151,3 +156,56 @@ def test_a_canary_name_that_is_somebody_elses_is_never_written(started):
              trial={"block_size": 32})
     assert r.applied == {"block_size": 32} and "canary" not in r.status_update["tuning"]["pending"]
     assert state_from_status(infd("Apply", stored({}, r.status_update)).status.tuning).pending.restart
+
+
+def test_on_vllm_every_change_runs_on_a_canary_deployment():
+    """vLLM changes no knob live: a sequence-cap raise, live on our engine, is a restart on vLLM, so it
+    goes to the canary Deployment's pod (vLLM's own command line), never to a pod's admin API."""
+    obj = InferenceDeployment.from_body(infd_body(
+        "chat", namespace="llm", generation=1, runtime="vllm", model={"path": "/models/m"},
+        engine={"maxNumSeqs": 64, "gpuMemoryUtilization": 0.9, "maxModelLen": 8192},
+        autotune={"mode": "Apply", "interval": "30s", "window": "2m", "cooldown": "10m",
+                  "objectives": {"ttftP95": "2s", "tpotP95": "100ms"}, "bounds": {"maxNumSeqs": {"min": 32, "max": 192}}}))
+    gathered = window(effective_engine(obj.spec, None, AutotuneMode.APPLY).config)
+    res = tick(obj.spec, obj.status, plan_of(obj), gathered, now=NOW, base_profile=PROFILE, canary=TARGET,
+               trial={"max_num_seqs": 128})
+    t = res.status_update["tuning"]
+    assert res.canary_call is None and "engine" not in res.status_update and t["phase"] == "Canary"
+    assert t["pending"]["canary"]["deployment"] == "chat-canary" and t["lastChange"]["restart"] is True
+    kube = _cluster(obj, stored({}, res.status_update))
+    Reconciler(kube, SETTINGS).reconcile("llm", "chat")
+    args = _deployment(kube, "chat-canary")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "128"
+    main = _deployment(kube, "chat")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert main[main.index("--max-num-seqs") + 1] == "64"
+    # with no canary Deployment to run on, vLLM keeps the before/after verdict (every pod rolls)
+    r = tick(obj.spec, obj.status, plan_of(obj), gathered, now=NOW, base_profile=PROFILE,
+             canary=dataclasses.replace(TARGET, deployment=""), trial={"max_num_seqs": 128})
+    assert r.applied == {"max_num_seqs": 128} and "canary" not in r.status_update["tuning"]["pending"]
+
+
+def _vllm_pod(pod: str, finished: float, fast: float, aborted: float) -> list[dict]:
+    """One vLLM pod's series over a 60 s window: ``finished`` requests, ``fast`` of them under 0.5 s ttft."""
+    lab = {"namespace": "llm", "inference_deployment": "chat", "pod": pod, "instance": f"10.0.0.{ord(pod[-1])}:8000",
+           "model_name": "tiny"}
+
+    def s(name: str, end: float, **more: str) -> dict:
+        return {"metric": {"__name__": name, **lab, **more}, "values": [[0, "0"], [60, str(end)]]}
+    return [s("vllm:e2e_request_latency_seconds_count", finished),
+            s("vllm:e2e_request_latency_seconds_bucket", finished, le="+Inf"),
+            s("vllm:time_to_first_token_seconds_bucket", fast, le="0.5"),
+            s("vllm:time_to_first_token_seconds_bucket", finished, le="+Inf"),
+            s("vllm:time_to_first_token_seconds_count", finished),
+            s("vllm:generation_tokens_total", 50 * finished),
+            s("vllm:request_success_total", aborted, finished_reason="abort"),
+            {"metric": {"__name__": "vllm:num_requests_running", **lab}, "values": [[0, "4"], [30, "4"], [60, "4"]]}]
+
+
+def test_each_vllm_pods_figures_come_from_its_own_vllm_series():
+    series = _vllm_pod("chat-a", 100, 90, 3) + _vllm_pod("chat-b", 80, 20, 0)
+    cfg = EngineConfig(max_num_seqs=64, max_model_len=8192)
+    a, measured = pod_figures(series, "chat-a", 60, cfg, 0.5, None, runtime="vllm")
+    b, _ = pod_figures(series, "chat-b", 60, cfg, 0.5, None, runtime="vllm")
+    assert (a.requests, b.requests) == (100, 80) and a.good == pytest.approx(90) and b.good == pytest.approx(20)
+    assert a.output_tokens == pytest.approx(5000) and (a.errors, b.errors) == (3, 0)
+    assert measured["goodput_requests_per_s"] == pytest.approx(1.5)

@@ -66,7 +66,7 @@ def test_a_window_that_spans_a_rollout_waits_for_the_new_engines_alone(prometheu
 def test_after_a_rollout_a_whole_window_of_the_new_engine_is_judged(prometheus):
     prometheus.series = (series(OLD, NOW - 60, NOW - 25, 2, NOW - 400) +
                          series(NEW, NOW - 28, NOW, 10, NOW - 140))
-    _, _, window, _ = gather()
+    _, _, window, _, _ = gather()
     assert window == 20.0 and prometheus.calls == [(20.0, [])]
     assert all(s["metric"]["instance"] == NEW for s in tuning_vllm.read_window(
         "", "ns", "d", window).series)                # the old engine is not in the judged window
@@ -82,7 +82,7 @@ def test_a_new_engine_counts_from_its_first_scrape_not_its_process_start(prometh
 
 def test_the_same_engines_all_along_keep_the_whole_window(prometheus):
     prometheus.series = series(OLD, NOW - 19, NOW, 2, NOW - 400)
-    _, _, window, _ = gather()
+    _, _, window, _, _ = gather()
     assert window == 20.0 and prometheus.calls == [(20.0, [])]
 
 
