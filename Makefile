@@ -34,7 +34,9 @@ NOT_CUDA := $(if $(shell nvidia-smi -L 2>/dev/null),, and not cuda)
 # longest one's time. The tests then run in two parts:
 # 1. all but the `alone` tests, in TEST_WORKERS pytest-xdist workers, a whole file at a time (a
 #    file's module fixtures stay in one worker; each worker starts its own control plane and
-#    Prometheus on free ports), the longest files first so the short unit files fill the end;
+#    Prometheus on free ports), in the order given: the long files (tests/vllm, tests/integration)
+#    first, so the short unit files fill the end (xdist's default order, the files with the most
+#    tests first, leaves the long one-test files for the end, where two can queue on one worker);
 # 2. the `alone` tests, in one pytest with no other test beside them: each sizes a load from a
 #    measurement of this machine and judges windows of it later, and a neighbour worker's start-ups
 #    moved the machine's speed in between (3 of 1057 failed in one of two fresh-clone runs when they
@@ -42,7 +44,7 @@ NOT_CUDA := $(if $(shell nvidia-smi -L 2>/dev/null),, and not cuda)
 # Part 2 runs whatever part 1's result; make fails if either part failed. TEST_WORKERS defaults to
 # the CPUs, at most 4; TEST_WORKERS=1 runs part 1 in one pytest too.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ $$n -gt 4 ] && n=4; echo $$n)
-XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile,)
+XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder,)
 test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target setup controlplane vllm
 	status=0; \

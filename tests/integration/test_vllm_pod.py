@@ -82,7 +82,7 @@ def vllm_run(controlplane, prometheus, vllm_ns, tmp_path):
         shutil.rmtree(cache, ignore_errors=True)
 
 
-def infd(name: str, model: Path, cache: Path, mode: str = "Recommend") -> str:
+def infd(name: str, model: Path, cache: Path, mode: str = "Recommend", replicas: int = 1) -> str:
     # nobind: a rolling update runs two vLLM pods on this node's two cores; bound ("0-1"), each
     # worker's main thread sits on core 0 from its first import on, and the new pod's start-up,
     # runnable next to the old worker's busy loop, got 0.6 s of CPU in 300 s and never finished
@@ -91,7 +91,7 @@ def infd(name: str, model: Path, cache: Path, mode: str = "Recommend") -> str:
            "TRITON_CACHE_DIR": str(cache / "triton"), "HF_HOME": str(cache / "hf"), "TMPDIR": str(cache / "tmp"),
            "VLLM_RPC_BASE_PATH": str(cache / "tmp")}
     return yaml.safe_dump(infd_body(
-        name, runtime="vllm",
+        name, runtime="vllm", replicas=replicas,
         model={"path": str(model), "servedModelName": "tiny"},
         resources={"gpus": 0},
         engine={"maxNumSeqs": 2, "maxNumBatchedTokens": 1024, "maxModelLen": 1024, "blockSize": 128,
