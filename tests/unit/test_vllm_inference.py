@@ -167,3 +167,29 @@ def test_prefix_cache_hits_leave_the_budget_unknown():
     assert infer_token_budget(steps, prompts).value == 512
     got = infer_token_budget(steps, prompts, cached_tokens=900)
     assert got.value is None and "prefix-cache hits" in got.evidence
+
+
+def test_steps_cut_by_a_full_or_preempting_kv_cache_infer_no_budget():
+    """Real vLLM under a 15-block cache (tests/vllm, too little KV memory): steps of at most 8 tokens
+    while 100-token prompts were served read as a budget of 8, below one 128-token block, and
+    `kvtune diagnose` died on it. Steps the KV cache cut say nothing of the budget."""
+    ms = [Moment(5, 19, kv=0.97, steps=[5, 8, 3] * 5, prompts=[100], preempted=1) for _ in range(10)]
+    reading, samples, d = read(ms, VllmAssumptions(max_num_seqs=16, given_by="--assume flag"))
+    budget = reading.unknown["max_num_batched_tokens"]
+    assert "KV cache was full or preempting" in budget and "at least 1" in budget, budget
+    assert reading.observation.config.max_num_batched_tokens >= reading.observation.config.block_size
+    assert d.cause == "LowKVMemory", d
+    steps = [(1.0, 0.0), (8.0, 10.0), (float("inf"), 10.0)]
+    prompts = [(50.0, 0.0), (100.0, 4.0), (float("inf"), 4.0)]
+    assert infer_token_budget(steps, prompts).value == 8                      # the same steps, KV free
+    assert infer_token_budget(steps, prompts, kv_pressed=True).value is None
+    fewer = infer_token_budget(steps, prompts, least=16)                      # steps below the known cap
+    assert fewer.value is None and "fewer than the 16 sequences" in fewer.evidence
+    check(samples, infer_max_num_seqs(samples), infer_token_budget(steps, prompts, kv_pressed=True))
+
+
+def test_a_budget_below_one_block_is_read_as_one_block_and_said():
+    ms = [Moment(3, 5, steps=[8] * 10, prompts=[100]) for _ in range(10)]
+    reading, _, _ = read(ms, VllmAssumptions(max_num_seqs=4, max_num_batched_tokens=8, given_by="--assume flag"))
+    assert reading.observation.config.max_num_batched_tokens == 16                 # CACHE_INFO's block size
+    assert reading.assumed["max_num_batched_tokens"].startswith("16 (vLLM's 8 is below one 16-token block")

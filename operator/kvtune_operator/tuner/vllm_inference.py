@@ -12,12 +12,17 @@ from the window's own figures, or left unknown:
   it, is the cap, unless the steps of those samples spent the token budget (a budget plateau);
 * the token budget: the largest ``iteration_tokens_total`` bucket the steps reached, when a prompt
   longer than that bucket was served (it was chunked, and a chunk is the step's budget); with no
-  chunked prompt the steps give only a lower bound, and the budget stays unknown;
+  chunked prompt the steps give only a lower bound, and the budget stays unknown. So it does when
+  the KV cache was full or preempting in the window (a prefill is then cut by the free blocks, not
+  by the budget: a real vLLM under a 15-block cache took steps of at most 8 tokens while 100-token
+  prompts were served, a budget of 2048), and when the steps were fewer tokens than the sequences
+  known to run at once (vLLM's budget is never below its cap);
 * the model length: ``kv_cache_size_tokens / kv_cache_max_concurrency`` of ``cache_config_info``
   (vLLM's max concurrency is the cache's tokens over the model length).
 
 Invariant (`check`): an inferred value is one the window's samples cannot contradict: no sample ran
-more sequences than an inferred cap, no step took more tokens than an inferred budget.
+more sequences than an inferred cap, no step took more tokens than an inferred budget, and no budget
+is inferred from a window whose KV cache cut the steps.
 """
 from __future__ import annotations
 
@@ -75,9 +80,12 @@ def _lower_edge(buckets: Sequence[tuple[float, float]], le: float) -> float:
 
 
 def infer_token_budget(step_buckets: Sequence[tuple[float, float]],
-                       prompt_buckets: Sequence[tuple[float, float]], cached_tokens: float = 0.0) -> Inferred:
+                       prompt_buckets: Sequence[tuple[float, float]], cached_tokens: float = 0.0, *,
+                       kv_pressed: bool = False, least: int = 1) -> Inferred:
     """The budget from the window's step and prompt histograms (module docstring); ``cached_tokens``
-    the window's prefix-cache hits (a hit prefills less than its prompt, so proves no chunking)."""
+    the window's prefix-cache hits (a hit prefills less than its prompt, so proves no chunking);
+    ``kv_pressed``: the KV cache was full or preempting in the window; ``least``: the fewest tokens
+    the budget can be (the sequence cap, when known)."""
     steps = [(le, c) for le, c in step_buckets]
     if not steps or steps[-1][1] <= 0:
         return Inferred(None, "no step in the window (iteration_tokens_total did not grow)")
@@ -98,6 +106,13 @@ def infer_token_budget(step_buckets: Sequence[tuple[float, float]],
     if longer <= 0:
         return Inferred(None, f"steps took at most {top:g} tokens and no served prompt was longer, so none was "
                               f"chunked: the budget is at least {lo:g}, how much more the window does not show")
+    if kv_pressed:
+        return Inferred(None, f"steps took at most {top:g} tokens while the KV cache was full or preempting: a "
+                              "prefill is then cut by the free blocks, not only by the budget; the budget is at "
+                              f"least {lo:g}, how much more the window does not show")
+    if top < least:
+        return Inferred(None, f"steps took at most {top:g} tokens, fewer than the {least} sequences running at "
+                              f"once (vLLM's budget is never below its cap): the steps did not reach the budget")
     return Inferred(int(top), f"inferred: the largest steps took {lo:g}-{top:g} tokens while {longer:g} served "
                               f"prompts were longer than {top:g}, so they were chunked at the budget")
 
@@ -114,7 +129,8 @@ class GaugeSample:
     steps: StepFigures | None = None
 
 
-def _kv_bound(s: GaugeSample) -> bool:
+def kv_bound(s: GaugeSample) -> bool:
+    """The sample's KV cache was full, or it preempted."""
     return s.kv_usage >= KV_FULL or s.preempted > 0
 
 
@@ -134,7 +150,7 @@ def infer_max_num_seqs(samples: Sequence[GaugeSample], running_peak: float = 0.0
 
 
 def _plateau(samples: Sequence[GaugeSample], running_peak: float, token_budget: int | None) -> Inferred:
-    waits = [s for s in samples if s.waiting >= 1 and not _kv_bound(s)]
+    waits = [s for s in samples if s.waiting >= 1 and not kv_bound(s)]
     if len(waits) < MIN_WAIT_SAMPLES:
         why = "no sample had requests waiting" if not any(s.waiting >= 1 for s in samples) else \
             f"only {len(waits)} of {len(samples)} samples had requests waiting with KV free ({MIN_WAIT_SAMPLES} needed)"
@@ -181,3 +197,4 @@ def check(samples: Sequence[GaugeSample], cap: Inferred, budget: Inferred) -> No
     if budget.known:
         assert all(s.steps is None or s.steps.tokens_max is None or s.steps.tokens_mean <= budget.value
                    for s in samples), budget
+        assert not any(kv_bound(s) for s in samples), budget

@@ -32,7 +32,7 @@ from .diagnose import Diagnosis, Thresholds, diagnose
 from .observation import GiB, LengthStats, MetricFigures, Observation
 from .synth_trace import synthesize_trace
 from .vllm_inference import (KV_FULL, GaugeSample, Inferred, infer_max_model_len, infer_max_num_seqs,
-                             infer_token_budget, steps_between)
+                             infer_token_budget, kv_bound, steps_between)
 
 #: vLLM's defaults (the knob table's) for the knobs it does not export (vllm serve, V1)
 VLLM_DEFAULTS = {k: BY_NAME[k].vllm_value for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len")}
@@ -170,7 +170,9 @@ def read_vllm(figures: MetricFigures, samples: Sequence[GaugeSample], *, window_
     inferred: dict[str, Inferred] = {}
     if "max_num_batched_tokens" not in known:
         inferred["max_num_batched_tokens"] = infer_token_budget(
-            f.buckets(STEP_HIST), f.buckets("vllm:request_prompt_tokens"), f.get("vllm:prefix_cache_hits_total") or 0.0)
+            f.buckets(STEP_HIST), f.buckets("vllm:request_prompt_tokens"), f.get("vllm:prefix_cache_hits_total") or 0.0,
+            kv_pressed=any(kv_bound(s) for s in samples) or (f.get("vllm:num_preemptions_total") or 0.0) > 0,
+            least=known.get("max_num_seqs") or 1)
     budget = known.get("max_num_batched_tokens") or inferred["max_num_batched_tokens"].value
     if "max_num_seqs" not in known:
         inferred["max_num_seqs"] = infer_max_num_seqs(samples, running_peak, budget)
@@ -195,6 +197,10 @@ def read_vllm(figures: MetricFigures, samples: Sequence[GaugeSample], *, window_
         assumed["block_size"] = f"{near} (vLLM's {bs} is outside the simulator's sizes)"
         bs = near
     cfg["block_size"] = bs
+    if cfg["max_num_batched_tokens"] < bs:  # vLLM may run it; the simulator's least step is one block
+        assumed["max_num_batched_tokens"] = (f"{bs} (vLLM's {cfg['max_num_batched_tokens']} is below one {bs}-token "
+                                             "block, the simulator's least step)")
+        cfg["max_num_batched_tokens"] = bs
     util = _num(info.get("gpu_memory_utilization"))
     if util is not None:
         cfg["gpu_memory_utilization"] = min(max(util, 0.01), 1.0)
