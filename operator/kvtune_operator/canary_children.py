@@ -68,11 +68,12 @@ def sync_canary(kube: Any, infd: InferenceDeployment, config: EngineConfig, *, r
             objs = render_canary(infd, config, image=image, admin_key=admin_key, replicas=0)
         else:
             objs = render_canary(infd, canary_config(config, pending), image=image, admin_key=admin_key, replicas=1)
+        have = {"Deployment": existing, "ConfigMap": kube.get("v1", "ConfigMap", infd.metadata.namespace,
+                                                             names.configmap)}
+        theirs = [label(o) for o in objs if not may_write(have[o["kind"]], uid)]
+        if theirs:  # neither is written: half a canary is none
+            return f"not this InferenceDeployment's, so no canary is run: {' and '.join(theirs)}"
         for obj in objs:  # the ConfigMap first: the pod mounts it
-            have = existing if obj["kind"] == "Deployment" else \
-                kube.get("v1", "ConfigMap", infd.metadata.namespace, names.configmap)
-            if not may_write(have, uid):
-                return f"{label(obj)} exists and is not this InferenceDeployment's: no canary is run"
             kube.apply(obj)
     except KubeError as e:  # said, and tried again at the next reconcile
         return f"the canary Deployment {names.deployment} could not be {'applied' if pending else 'scaled to 0'}: {e}"
