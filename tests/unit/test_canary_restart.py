@@ -209,3 +209,20 @@ def test_each_vllm_pods_figures_come_from_its_own_vllm_series():
     assert (a.requests, b.requests) == (100, 80) and a.good == pytest.approx(90) and b.good == pytest.approx(20)
     assert a.output_tokens == pytest.approx(5000) and (a.errors, b.errors) == (3, 0)
     assert measured["goodput_requests_per_s"] == pytest.approx(1.5)
+
+
+def test_a_restart_canary_turned_to_recommend_is_dropped_and_its_pod_goes(started):
+    """Recommend (or Off) mid-canary: nothing is judged or promoted in those modes, so the round drops
+    the change unjudged and unbarred, and the canary Deployment goes to zero pods at once."""
+    obj, res = started
+    kube = _cluster(obj, stored({}, res.status_update))
+    Reconciler(kube, SETTINGS).reconcile("llm", "chat")
+    assert _deployment(kube, "chat-canary")["spec"]["replicas"] == 1
+    kube.infd("chat")["spec"]["autotune"]["mode"] = "Recommend"
+    loop = TuningLoop(Reconciler(kube, SETTINGS), SETTINGS, clock=lambda: NOW + 200)
+    loop.maybe_tick("llm", "chat", kube.get_infd("llm", "chat"), {"tuned_at": NOW})
+    t = kube.infd("chat")["status"]["tuning"]
+    assert "pending" not in t and t["history"][-1]["action"] == "RollBack" and not t.get("rejected")
+    assert "autotune mode is Recommend" in t["history"][-1]["message"]
+    assert _deployment(kube, "chat-canary")["spec"]["replicas"] == 0
+    assert "block_size: 32\n" not in _configmap(kube, "chat-engine")
