@@ -112,21 +112,18 @@ def canary_run(target: CanaryTarget, now: float, *, restart: bool) -> dict[str, 
 
 def canary_pod_ready(status: InferenceDeploymentStatus, pod: str, now: float) -> TickResult:
     """The canary Deployment's pod ``pod`` is Ready (a first one, or a replacement): its window starts now."""
-    tuning = status.tuning.dump()
     run = status.tuning.pending.canary
     changes = camel(state_from_status(status.tuning).pending.changes)
-    pending = {**tuning["pending"], "canary": run.model_copy(update={"pod": pod, "started_at": stamp(now)}).dump()}
-    return TickResult(status_update={"tuning": TuningStatus.checked(
-        {**tuning, "pending": pending, "phase": "Canary",
-         "message": f"canary pod {pod} of Deployment {run.deployment} is Ready and runs {changes}; judged against "
-                    "the other pods after a whole window"})})
+    return restarted(status, now, f"canary pod {pod} of Deployment {run.deployment} is Ready and runs {changes}; "
+                                  "judged against the other pods after a whole window", pod=pod)
 
 
-def restarted(status: InferenceDeploymentStatus, now: float, why: str) -> TickResult:
-    """The canary began running the change again at ``now`` (it had lost it): its window starts again."""
+def restarted(status: InferenceDeploymentStatus, now: float, why: str, *, pod: str | None = None) -> TickResult:
+    """The canary began running the change again at ``now`` (it had lost it, or ``pod`` is a canary
+    Deployment's new pod): its window starts again."""
     tuning = status.tuning.dump()
-    run = status.tuning.pending.canary
-    pending = {**tuning["pending"], "canary": run.model_copy(update={"started_at": stamp(now)}).dump()}
+    update: dict[str, Any] = {"started_at": stamp(now), **({"pod": pod} if pod is not None else {})}
+    pending = {**tuning["pending"], "canary": status.tuning.pending.canary.model_copy(update=update).dump()}
     return TickResult(status_update={"tuning": TuningStatus.checked(
         {**tuning, "pending": pending, "phase": "Canary", "message": why})})
 
