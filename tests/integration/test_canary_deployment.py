@@ -18,7 +18,7 @@ from kvtune_operator.model import parse_duration
 from tests.infd import infd_body
 
 from .e2e_load import OpenLoopLoad, served_rate
-from .test_canary_replicas import _balanced, _verdict_after
+from .test_canary_replicas import _balanced, _verdict_after, try_on_canary
 from .test_operator_cluster import (  # noqa: F401 - crd is a fixture
     OperatorProcess, admin_key, crd, engine_namespace, eventually, get,
 )
@@ -83,11 +83,7 @@ def test_a_restart_change_runs_on_a_canary_pod_first_promoted_then_one_that_cann
                             seed=11)
         with load:
             # -- 1. a restart change on a canary pod, promoted --------------------------------------------
-            controlplane.kubectl("annotate", "infd", name, "-n", ns, 'kvtune.io/try={"gpuMemoryUtilization": 0.25}')
-            pending = lambda o: ((o.get("status") or {}).get("tuning") or {}).get("pending") or {}  # noqa: E731
-            obj = wait_for(controlplane, ns, name, lambda o: pending(o).get("canary"), timeout=120,
-                           what="the restart change on a canary Deployment", operator=op)
-            trial = obj["status"]["tuning"]["lastChange"]
+            obj, trial = try_on_canary(controlplane, ns, name, '{"gpuMemoryUtilization": 0.25}', op, timeout=120)
             log(f"restart canary: applied after {time.monotonic() - t0:.0f}s: {trial['message']}")
             assert trial["action"] == "Apply" and trial["restart"]
             assert f"canary Deployment {name}-canary" in trial["message"], trial["message"]

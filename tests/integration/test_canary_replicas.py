@@ -73,6 +73,15 @@ def _seqs(pod_node, ns: str, name: str, key: str) -> dict[str, int]:
             for p in pod_node.pods_for_selector(ns, {LABEL: name}) if p.ready}
 
 
+def try_on_canary(controlplane, ns: str, name: str, knobs: str, operator, timeout: float) -> tuple[dict, dict]:
+    """Ask for ``knobs`` (kvtune.io/try) and wait until a canary runs them: (the object, its Apply)."""
+    controlplane.kubectl("annotate", "infd", name, "-n", ns, "--overwrite", f"kvtune.io/try={knobs}")
+    pending = lambda o: ((o.get("status") or {}).get("tuning") or {}).get("pending") or {}  # noqa: E731
+    obj = wait_for(controlplane, ns, name, lambda o: pending(o).get("canary"), timeout=timeout,
+                   what=f"{knobs} on a canary", operator=operator)
+    return obj, obj["status"]["tuning"]["lastChange"]
+
+
 def _verdict_after(obj: dict, apply: dict) -> dict | None:
     h = history(obj)
     i = next((k for k, e in enumerate(h) if e["time"] == apply["time"] and e["action"] == "Apply"), None)

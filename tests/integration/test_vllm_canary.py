@@ -20,7 +20,7 @@ import time
 import pytest
 
 from .e2e_load import OpenLoopLoad
-from .test_canary_replicas import _balanced, _verdict_after
+from .test_canary_replicas import _balanced, _verdict_after, try_on_canary
 from .test_operator_cluster import crd, eventually, get  # noqa: F401 - crd is a fixture
 from .test_tuner_e2e import LABEL, log, wait_for
 from .test_vllm_pod import VOCAB, infd, vllm_model, vllm_ns, vllm_run  # noqa: F401 - fixtures
@@ -53,11 +53,7 @@ def test_a_vllm_change_runs_on_a_canary_pod_first_and_is_promoted_against_its_si
     load = OpenLoopLoad(_balanced(pod_node, ns, name), "tiny", rate=4.0, prompt_tokens=32, output_tokens=16,
                         vocab=VOCAB, max_requests=2000, max_seconds=480, max_in_flight=16, seed=9)
     with load:
-        controlplane.kubectl("annotate", "infd", name, "-n", ns, 'kvtune.io/try={"maxNumSeqs": 4}')
-        pending = lambda o: ((o.get("status") or {}).get("tuning") or {}).get("pending") or {}  # noqa: E731
-        obj = wait_for(controlplane, ns, name, lambda o: pending(o).get("canary"), timeout=180,
-                       what="the change on a canary Deployment", operator=op)
-        trial = obj["status"]["tuning"]["lastChange"]
+        obj, trial = try_on_canary(controlplane, ns, name, '{"maxNumSeqs": 4}', op, timeout=180)
         log(f"vllm canary: applied after {time.monotonic() - t0:.0f}s: {trial['message']}")
         assert trial["action"] == "Apply" and trial["restart"] is True
         assert f"canary Deployment {name}-canary" in trial["message"], trial["message"]
