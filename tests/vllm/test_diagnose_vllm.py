@@ -42,8 +42,8 @@ def seq_cap_vllm(model_dir, tmp_path_factory):
 
 
 def diagnose(url: str, *extra: str, window: float = 8.0) -> dict:
-    out = subprocess.run([KVTUNE, "diagnose", "--url", url, "--window", str(window), "--json", *extra],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([KVTUNE, "diagnose", "--url", url, "--window", f"{window:.1f}", "--json", *extra],
+                         capture_output=True, text=True, timeout=120 + window)
     assert out.returncode == 0, f"kvtune diagnose exited {out.returncode}:\n{out.stderr[-3000:]}\n{out.stdout[-2000:]}"
     return json.loads(out.stdout)
 
@@ -69,13 +69,18 @@ def one_scrape_mid_load(srv: VllmServer, *extra: str, tries: int = 5) -> str:
 def wait_for_queue(srv: VllmServer, timeout_s: float = 120.0) -> None:
     """Until vLLM shows requests waiting: a window judged before the load reaches the engine (a slow
     client start on a busy machine) judges an idle engine."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    wait_for_metric(srv, "vllm:num_requests_waiting", timeout_s, "no request waited in vLLM")
+
+
+def wait_for_metric(srv: VllmServer, name: str, timeout_s: float, failure: str) -> float:
+    """Until a sample of vLLM's ``name`` is at least 1; the seconds it took."""
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
         for fam in text_string_to_metric_families(srv.metrics()):
-            if fam.name == "vllm:num_requests_waiting" and any(s.value >= 1 for s in fam.samples):
-                return
+            if any(s.name == name and s.value >= 1 for s in fam.samples):
+                return time.monotonic() - began
         time.sleep(0.2)
-    raise AssertionError(f"no request waited in vLLM within {timeout_s:g} s of the load's start")
+    raise AssertionError(f"{failure} within {timeout_s:g} s of the load's start")
 
 
 def test_sequence_cap_on_real_vllm(model_dir, seq_cap_vllm):
@@ -148,12 +153,19 @@ def test_sequence_cap_inferred_on_real_vllm(model_dir, seq_cap_vllm):
 def test_too_little_kv_memory_on_real_vllm(model_dir, tmp_path):
     """A 2 MiB KV cache (about 15 blocks of 128 tokens) and requests that grow to 3 blocks each, 16 at a
     time from 24 clients sending back to back until the window is judged: vLLM preempts; diagnose names
-    LowKVMemory with the preemptions and the cache size. Time (~1.5 min): vLLM's start-up and the window."""
+    LowKVMemory with the preemptions and the cache size.
+    The first preemption comes once the first 15 requests have grown by 28 tokens to a second block;
+    afterwards one comes whenever a running request crosses a block (every 128 of its tokens) while the
+    cache is full. The window is five times the wait for the first one (at least 8 s), so it holds a
+    block's worth of steps of each running request however slow the machine is: an 8 s window, on a
+    busy CI machine, closed before the first preemption and judged LowKVMemory on the full cache alone.
+    Time (~1.5 min): vLLM's start-up and the window."""
     args = ["--max-num-seqs", "16", "--max-model-len", "1024", "--block-size", "128", *TEST_ARGS]
     with VllmServer(model_dir, tmp_path, kv_cache_gib=2 / 1024, args=args) as srv:
         with ClosedLoop(srv.url, str(model_dir), clients=24, prompt_tokens=100, output_tokens=250) as load:
             wait_for_queue(srv)
-            got = diagnose(srv.url, "--assume-max-num-seqs", "16")
+            first = wait_for_metric(srv, "vllm:num_preemptions_total", 300, "vLLM preempted nothing")
+            got = diagnose(srv.url, "--assume-max-num-seqs", "16", window=max(8.0, 5 * first))
             done = load.stop()
         after = diagnose(srv.url, "--assume-max-num-seqs", "16", window=0)
     assert done and all(r["completion_tokens"] == 250 for r in done)
