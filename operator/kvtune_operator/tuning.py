@@ -268,7 +268,7 @@ def tick(spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus | None
         return out
     if stale:  # a change is still rolling out: a window of the old knobs would judge the wrong config
         tuning.update(mode=mode.value, phase="Applying",
-                      message=f"waiting for the engines to run {camel(stale)}")
+                      message=f"waiting for a window in which every engine runs {camel(stale)}")
         out.status_update = {"tuning": TuningStatus.checked(tuning)}
         return out
     state = state_from_status(status.tuning if status else None)

@@ -218,6 +218,10 @@ def test_chart_upgrade_during_a_restart_rollout_keeps_requests_and_status_true(
                     return None
                 if condition(o, "Progressing").get("reason") != "RolloutComplete":
                     return None
+                # the tuner's phase leaves Applying at its first window with no series of the pod that went
+                # (a rollback's rollout completes a window before the tuner's view is clean of that pod)
+                if st["tuning"].get("phase") in ("Applying", "Verifying"):
+                    return None
                 pods = pod_node.pods_for_selector(ns, {LABEL: name})
                 if len(pods) != 1 or not pods[0].ready:
                     return None
@@ -239,7 +243,6 @@ def test_chart_upgrade_during_a_restart_rollout_keeps_requests_and_status_true(
                 assert st["tuning"]["restarts"] == 1, st["tuning"]
             assert condition(obj, "Progressing")["status"] == "False", condition(obj, "Progressing")
             assert condition(obj, "Degraded").get("status") != "True", condition(obj, "Degraded")
-            assert st["tuning"]["phase"] not in ("Applying", "Verifying"), st["tuning"]
             assert st["tuning"]["triedAnnotation"] == TRIAL
             dep = get(controlplane, "deployment", name, ns)
             assert dep["status"].get("updatedReplicas") == dep["status"].get("replicas") == 1, dep["status"]

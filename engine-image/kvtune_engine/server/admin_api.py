@@ -45,8 +45,10 @@ def steps(ctx: Ctx, limit: int | None = None):
 
 def _config_view(ctx: ServerContext) -> dict[str, Any]:
     watcher = ctx.config_watcher
-    return {"config": ctx.engine.config.model_dump(), "live_knobs": sorted(LIVE_KNOBS),
-            "restart_knobs": sorted(RESTART_KNOBS), "config_file": watcher.status() if watcher is not None else None}
+    read = ctx.engine.config.model_dump
+    config, file = watcher.view(read) if watcher is not None else (read(), None)
+    return {"config": config, "live_knobs": sorted(LIVE_KNOBS), "restart_knobs": sorted(RESTART_KNOBS),
+            "config_file": file}
 
 
 @router.get("/config")

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -81,8 +81,11 @@ class ConfigFileWatcher:
 
     def status(self) -> dict[str, Any]:
         with self._lock:
-            return {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
-                    for k, v in self._status.items()}
+            return self._copy()
+
+    def _copy(self) -> dict[str, Any]:
+        return {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+                for k, v in self._status.items()}
 
     def start(self, async_engine: Any) -> None:
         self._aeng = async_engine
@@ -129,27 +132,42 @@ class ConfigFileWatcher:
         known, unknown = split_known(values)
         if unknown:
             log.warning("config file %s: unknown keys %s ignored", self.path, unknown)
-        fut = self._aeng.call_future(lambda eng: _apply_on_engine(eng, known))
+
+        def on_engine(eng: Any):
+            # the knobs and the file's status change under one lock, which `view` holds too: a reader
+            # never sees the new knobs without the restart knobs the same file left pending
+            with self._lock:
+                changed, pending = _apply_on_engine(eng, known)
+                self._record(changed, pending, unknown, None)
+            return changed, pending
+
+        fut = self._aeng.call_future(on_engine)
         try:
             changed, pending = fut.result(timeout=60)
-            error = None
-        except ConfigError as e:
-            changed, pending, error = {}, {}, str(e)
-            log.error("config file %s: %s (kept the running config)", self.path, e)
-        except Exception as e:  # noqa: BLE001
-            changed, pending, error = {}, {}, f"could not apply: {e}"
-            log.error("config file %s: could not apply: %s", self.path, e)
+        except Exception as e:  # noqa: BLE001 - nothing was applied: the engine refused or never answered
+            changed, pending = {}, {}
+            error = str(e) if isinstance(e, ConfigError) else f"could not apply: {e}"
+            log.error("config file %s: %s (kept the running config)", self.path, error)
+            with self._lock:
+                self._record({}, {}, unknown, error)
         for k, (run, want) in pending.items():
             log.warning("config file %s: %s %r -> %r needs a restart; not applied (running %r)",
                         self.path, k, run, want, run)
         if changed:
             log.info("config file %s applied: %s", self.path,
                      ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changed.items()))
-        with self._lock:
-            self._status.update(last_change_unix_s=time.time(), applied=changed,
-                                pending_restart={k: {"running": a, "file": b} for k, (a, b) in pending.items()},
-                                unknown_keys=unknown, error=error)
         return bool(changed)
+
+    def _record(self, changed: dict, pending: dict, unknown: list[str], error: str | None) -> None:
+        """The outcome of one apply, under ``_lock``."""
+        self._status.update(last_change_unix_s=time.time(), applied=changed,
+                            pending_restart={k: {"running": a, "file": b} for k, (a, b) in pending.items()},
+                            unknown_keys=unknown, error=error)
+
+    def view(self, config: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(``config()``, the file's status) read at one instant: no apply in between."""
+        with self._lock:
+            return config(), self._copy()
 
 
 def _apply_on_engine(eng: Any, known: dict[str, Any]):
