@@ -282,11 +282,16 @@ class Reconciler:
             except KubeError as e:
                 read_errors["Secret"] = f"reading Secret {secret_name} failed: {e}"
             secret = before_of.get("Secret")
-            key = (admin_key_of(secret) if owned_by(secret, uid) else None) or secrets.token_urlsafe(32)
+            kept = admin_key_of(secret) if owned_by(secret, uid) else None
+            key = kept or secrets.token_urlsafe(32)
             children = render_children(infd, effective.config, image=image, pod_monitor=pod_monitor,
                                        allow_namespaces=self.settings.network_allow_namespaces, admin_key=key)
             canary_args = None if volume_refusal is not None else (image, key)
-            objs = apply_order([render_admin_secret(infd, key), *children])
+            admin_secret = render_admin_secret(infd, key)
+            if kept:  # written only if it is still the Secret read: one deleted since (a user rotating the
+                # key) must not come back with the old key; the next pass makes a new one
+                admin_secret["metadata"]["resourceVersion"] = secret["metadata"]["resourceVersion"]
+            objs = apply_order([admin_secret, *children])
             for obj in objs:
                 kind, md = obj["kind"], obj["metadata"]
                 if kind in before_of or kind in read_errors:

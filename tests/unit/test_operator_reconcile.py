@@ -88,6 +88,10 @@ class FakeKube:
             raise KubeError("admission webhook denied the request", 422)
         key = (obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         old = self.objects.get(key)
+        want_rv = obj["metadata"].get("resourceVersion")  # the apiserver's precondition
+        if want_rv is not None and (old is None or old["metadata"]["resourceVersion"] != want_rv):
+            raise KubeError(f"Operation cannot be fulfilled on {obj['kind']} {obj['metadata']['name']}: "
+                            "the object has been modified", 409)
         new = copy.deepcopy(obj)
         new.setdefault("status", (old or {}).get("status", {}))
         strip = lambda o: {k: v for k, v in o.items() if k not in ("status",)} | {  # noqa: E731
@@ -203,6 +207,32 @@ def test_second_reconcile_changes_nothing():
     assert ("kvtune.io/inferencedeployments/status", "patch") not in kube.calls  # nothing to write
     assert {k: v for k, v in kube.objects.items() if k[1] != "InferenceDeployment"} == before
     assert get_condition(kube.infd()["status"]["conditions"], "Ready")["status"] == "True"
+
+
+def test_a_secret_deleted_mid_reconcile_is_not_written_back_with_the_old_key():
+    """A user deletes the admin-key Secret to rotate the key while a reconcile runs, between its read of
+    the Secret and its write: that write must not create the Secret again with the old key (pods and
+    operator would agree on it, and the rotation would silently not happen). It fails on the read's
+    resourceVersion; the next pass makes a new key and rolls the pods onto it."""
+    kube, rec = setup()
+    rec.reconcile("llm", "qwen")
+    skey = ("v1", "Secret", "llm", "qwen-admin-key")
+    old_key = kube.objects[skey]["stringData" if "stringData" in kube.objects[skey] else "data"]
+    get = kube.get
+
+    def get_then_delete(api_version, kind, namespace, name):
+        out = get(api_version, kind, namespace, name)
+        if kind == "Secret":
+            kube.objects.pop(skey, None)  # the user's kubectl delete, just after the read
+        return out
+    kube.get = get_then_delete
+    rec.reconcile("llm", "qwen")
+    assert skey not in kube.objects  # not written back
+    kube.get = get
+    rec.reconcile("llm", "qwen")
+    new_key = kube.objects[skey]["stringData" if "stringData" in kube.objects[skey] else "data"]
+    assert new_key != old_key
+    assert "AdminKeyRecreated" in reasons(kube)
 
 
 def test_live_knob_changes_only_the_configmap():
