@@ -288,9 +288,10 @@ class Reconciler:
                                        allow_namespaces=self.settings.network_allow_namespaces, admin_key=key)
             canary_args = None if volume_refusal is not None else (image, key)
             admin_secret = render_admin_secret(infd, key)
-            if kept:  # written only if it is still the Secret read: one deleted since (a user rotating the
-                # key) must not come back with the old key; the next pass makes a new one
-                admin_secret["metadata"]["resourceVersion"] = secret["metadata"]["resourceVersion"]
+            read_version = (secret or {}).get("metadata", {}).get("resourceVersion")
+            if kept and read_version:  # written only if it is still the Secret read: one deleted since (a
+                # user rotating the key) must not come back with the old key; the next pass makes a new one
+                admin_secret["metadata"]["resourceVersion"] = read_version
             objs = apply_order([admin_secret, *children])
             for obj in objs:
                 kind, md = obj["kind"], obj["metadata"]
