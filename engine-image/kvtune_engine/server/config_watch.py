@@ -8,7 +8,8 @@ The file holds EngineConfig fields with underscores (``max_num_seqs: 128``); das
 accepted too. Live knobs that differ from the running config are applied like a PATCH of
 ``/kvtune/v1/config``; restart-only knobs that differ, and live raises past the start-up
 activation profile (``LLMEngine.beyond_profile``), are logged and reported in
-``status()["pending_restart"]`` (they take effect when the pod restarts); unknown keys are reported.
+the file's status (``view``, ``pending_restart``: they take effect when the pod restarts); unknown
+keys are reported.
 """
 from __future__ import annotations
 
@@ -78,10 +79,6 @@ class ConfigFileWatcher:
             return hashlib.sha256(Path(path).read_bytes()).digest()
         except OSError:
             return None
-
-    def status(self) -> dict[str, Any]:
-        with self._lock:
-            return self._copy()
 
     def _copy(self) -> dict[str, Any]:
         return {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
