@@ -98,6 +98,10 @@ def test_operator_kill_prometheus_outage_a_rollout_that_cannot_start_and_an_apis
             # -- 1. SIGKILL while verifying -----------------------------------------------------------
             obj, apply = first_apply(controlplane, ns, name, timeout=120, operator=op)
             assert obj["status"]["tuning"]["phase"] == "Verifying" and obj["status"]["tuning"]["pending"]
+            # the operator posts the decision's event right after it wrote the status; a kill in between loses
+            # the event (events are best effort, the status history is the record; a CI run killed it within
+            # those milliseconds): kill once it is posted, still while verifying
+            _events(controlplane, ns, name, "TuningApply")
             op.kill()
             killed = time.monotonic()
             log(f"faults: operator killed {killed - t0:.0f}s in, while verifying {apply['after']}")
