@@ -94,6 +94,20 @@ def get_condition(conditions: Iterable[dict[str, Any]] | None, type_: str) -> di
     return next((c for c in conditions or () if c.get("type") == type_), None)
 
 
+def unschedulable(pod: dict[str, Any]) -> tuple[str, float | None] | None:
+    """(the scheduler's message, since when in epoch seconds if it says) while the scheduler cannot
+    place ``pod`` (no node with room for it: a GPU, memory, a taint it does not tolerate); else None."""
+    sched = get_condition((pod.get("status") or {}).get("conditions"), "PodScheduled")
+    if not sched or sched.get("status") != "False" or sched.get("reason") != "Unschedulable":
+        return None
+    since = sched.get("lastTransitionTime")
+    try:
+        t = dt.datetime.fromisoformat(str(since).replace("Z", "+00:00")).timestamp() if since else None
+    except ValueError:
+        t = None
+    return sched.get("message") or "unschedulable", t
+
+
 @dataclasses.dataclass(frozen=True)
 class Replicas:
     desired: int
@@ -176,9 +190,9 @@ def pod_problem(pods: Iterable[dict[str, Any]]) -> Cond | None:
                 if term.get("message"):
                     msg += f": {term['message'].strip()[-600:]}"
                 return Cond(DEGRADED, "True", "EngineFailing", msg)
-        sched = get_condition(status.get("conditions"), "PodScheduled")
-        if sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable":
-            return Cond(DEGRADED, "True", "Unschedulable", f"pod {name}: {sched.get('message') or 'unschedulable'}")
+        placing = unschedulable(pod)
+        if placing:
+            return Cond(DEGRADED, "True", "Unschedulable", f"pod {name}: {placing[0]}")
     return None
 
 

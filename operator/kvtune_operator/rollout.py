@@ -4,17 +4,23 @@ report it, so that the tuner can roll the change back without a human.
 A restart change rolls the pods to a template whose ``kvtune.io/restart-hash`` names the new
 restart-only knobs. It has failed when one of the pods of that template has had its engine exit with
 an error ``FAILED_STARTS`` times (the engine says why in its last log line: the pod's termination
-message), or when the Deployment controller gave up on that template (ProgressDeadlineExceeded).
-Pods of the old template, and pods being deleted, are not the change's.
+message), when the scheduler could not place one of them for ``UNSCHEDULABLE_S`` (no room in the
+cluster for the extra pod a rollout or a canary needs: in a shared cluster, often no spare GPU), or when
+the Deployment controller gave up on that template (ProgressDeadlineExceeded, which allows for slow
+model loads). Pods of the old template, and pods being deleted, are not the change's.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable
 
+from .conditions import unschedulable
 from .render import ANNOTATION_RESTART_HASH
 
 #: an engine that failed to start this many times on the new knobs will not start on them
 FAILED_STARTS = 2
+#: a new pod the scheduler has not placed for this long gets no room (a cluster autoscaler adds a node
+#: well within it); the Deployment's own deadline (progressDeadlineSeconds 1800) allows for model loads
+UNSCHEDULABLE_S = 600.0
 
 
 def _failed_starts(cs: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -35,8 +41,9 @@ def template_restart_hash(deployment: dict[str, Any] | None) -> str | None:
 
 
 def rollout_failure(pods: Iterable[dict[str, Any]], deployment: dict[str, Any] | None, restart_hash: str | None,
-                    *, failed_starts: int = FAILED_STARTS) -> str | None:
-    """Why the rollout to ``restart_hash`` failed, in the engine's words; None while it may still succeed."""
+                    now: float, *, failed_starts: int = FAILED_STARTS) -> str | None:
+    """Why the rollout to ``restart_hash`` failed, in the engine's (or the scheduler's) words; None while
+    it may still succeed. ``now``: epoch seconds."""
     if not restart_hash:
         return None
     for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
@@ -51,12 +58,28 @@ def rollout_failure(pods: Iterable[dict[str, Any]], deployment: dict[str, Any] |
                 return (f"pod {meta.get('name')}: the engine exited with code {term.get('exitCode')} "
                         f"{n} times{f' ({waiting})' if waiting else ''}"
                         + (f": {why[-1][-1000:]}" if why else ""))
+        placing = unschedulable(pod)
+        if placing and placing[1] is not None and now - placing[1] >= UNSCHEDULABLE_S:
+            return (f"pod {meta.get('name')}: the scheduler could not place it for {now - placing[1]:.0f}s: "
+                    f"{placing[0][:1000]}")
     if deployment:
         if template_restart_hash(deployment) == restart_hash:
             for cond in (deployment.get("status") or {}).get("conditions") or []:
                 if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
                     return f"Deployment {deployment['metadata'].get('name')}: {cond.get('message') or 'ProgressDeadlineExceeded'}"
     return None
+
+
+def placement_note(pods: Iterable[dict[str, Any]], now: float) -> str:
+    """'; the scheduler has not placed pod P (for Ns): why' for the first live pod it cannot place, else
+    '': a rollout or canary that waits for room says so while it waits, not only when it gives up."""
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        placing = None if (pod.get("metadata") or {}).get("deletionTimestamp") else unschedulable(pod)
+        if placing:
+            since = f" for {now - placing[1]:.0f}s" if placing[1] is not None else ""
+            return (f"; the scheduler has not placed pod {(pod.get('metadata') or {}).get('name')}{since} "
+                    f"(a failure after {UNSCHEDULABLE_S:.0f}s): {placing[0][:300]}")
+    return ""
 
 
 def rollout_pending(deployment: dict[str, Any] | None, restart_hash: str | None,

@@ -34,7 +34,7 @@ from .prometheus import (MAX_RESPONSE_BYTES, QUERY_DEADLINE_S, MetricsUnavailabl
 from .canary_children import canary_free, is_canary_pod
 from .reconcile import EventSpec, engine_admin_key
 from .render import selector_string
-from .rollout import rollout_failure, rollout_pending, template_restart_hash
+from .rollout import placement_note, rollout_failure, rollout_pending, template_restart_hash
 from .round_queue import Admission, RoundQueue
 from .scaling import autoscaler_of, replica_target, replicas_needed
 from .tuner.backlog import in_engine
@@ -515,13 +515,14 @@ class TuningLoop:
         if pending is not None and pending.restart and plan.mode == AutotuneMode.APPLY:
             deployment = self.reconciler.kube.get("apps/v1", "Deployment", namespace, name)
             pods = self.reconciler.kube.list_pods(namespace, selector_string(name))
-            failure = rollout_failure(pods, deployment, pending.restart_hash)
+            failure = rollout_failure(pods, deployment, pending.restart_hash, now)
             if failure:
                 return roll_back_failed_rollout(infd.spec, status, plan, failure, now)
             rolling = rollout_pending(deployment, pending.restart_hash, pods)
             if rolling:  # a window now could be the old pods' (vLLM's metrics do not tell its knobs)
-                return TickResult(status_update={"tuning": TuningStatus.checked(
-                    {**tuning.dump(), "phase": "Applying", "message": f"waiting for the rollout: {rolling}"})})
+                return TickResult(status_update={"tuning": TuningStatus.checked({
+                    **tuning.dump(), "phase": "Applying",
+                    "message": f"waiting for the rollout: {rolling}{placement_note(pods, now)}"})})
             if pending.rolled_out_at is None:  # the verdict's window starts now (_since_last_change)
                 done = pending.model_copy(update={"rolled_out_at": dt.datetime.fromtimestamp(now, dt.timezone.utc)})
                 return TickResult(status_update={"tuning": TuningStatus.checked({
@@ -683,7 +684,7 @@ class TuningLoop:
         run = status.tuning.pending.canary
         mine = [p for p in pods if is_canary_pod(p) and not (p.get("metadata") or {}).get("deletionTimestamp")]
         deployment = self.reconciler.kube.get("apps/v1", "Deployment", namespace, run.deployment)
-        failure = rollout_failure(mine, deployment, template_restart_hash(deployment))
+        failure = rollout_failure(mine, deployment, template_restart_hash(deployment), now)
         if failure:
             return roll_back_failed_rollout(spec, status, plan, failure, now, canary=True,
                                             what=f"canary Deployment {run.deployment} did not start")
@@ -693,8 +694,8 @@ class TuningLoop:
         if ready:  # its first pod, or one that replaced it: the window starts now
             return canary_pod_ready(status, ready[0], now)
         waited = now - run.started_at.timestamp()
-        return waiting(status, f"canary Deployment {run.deployment}: waiting for its pod to be Ready ({waited:.0f}s); "
-                               "the verdict comes a whole window after it is")
+        return waiting(status, f"canary Deployment {run.deployment}: waiting for its pod to be Ready ({waited:.0f}s)"
+                               f"{placement_note(mine, now)}; the verdict comes a whole window after it is")
 
     def _stand_down(self, spec: InferenceDeploymentSpec, status: InferenceDeploymentStatus, plan: AutotunePlan,
                     admin_key: str | None, own: set[str], now: float, why: str) -> TickResult:

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 from kvtune_engine.config import EngineConfig
@@ -21,7 +22,7 @@ from kvtune_operator.effective import effective_engine, resolve_autotune
 from kvtune_operator.model import AutotuneMode, InferenceDeployment
 from kvtune_operator.reconcile import Reconciler
 from kvtune_operator.render import ANNOTATION_RESTART_HASH, restart_hash
-from kvtune_operator.rollout import rollout_failure, rollout_pending
+from kvtune_operator.rollout import UNSCHEDULABLE_S, placement_note, rollout_failure, rollout_pending
 from kvtune_operator.settings import Settings
 from kvtune_operator.tuner.decide import TunerState, config_key
 from kvtune_operator.tuner.loop import Tuner
@@ -32,6 +33,7 @@ from kvtune_operator.tuning_state import state_from_status, state_status
 from test_operator_reconcile import SPEC, FakeKube, merge_patch
 
 SC = SCENARIOS["seq-cap"]
+NOW = 1_800_000_000.0  # epoch seconds of the rollout checks
 PROFILE = load_profile(SC.profile)
 SPEC_DOC = {"model": {"path": "/models/m"},
             "engine": {"maxNumSeqs": 16, "gpuMemoryUtilization": 0.9, "maxModelLen": 8192},
@@ -140,19 +142,42 @@ def _pod(name: str, hsh: str, *, restarts: int, exit_code: int = 1, message: str
 def test_rollout_failure_reads_the_new_pods_and_the_deployment():
     msg = "kvtune serve: --gpu-memory-utilization 0.3 leaves no room for one KV block"
     old = _pod("a", "old", restarts=9, message="something else")
-    assert rollout_failure([old], None, "new") is None                      # the old pods are not the change's
-    assert rollout_failure([_pod("b", "new", restarts=0)], None, "new") is None   # one failure: not yet
-    assert rollout_failure([_pod("b", "new", restarts=3, deleting=True, message=msg)], None, "new") is None
+    assert rollout_failure([old], None, "new", NOW) is None                      # the old pods are not the change's
+    assert rollout_failure([_pod("b", "new", restarts=0)], None, "new", NOW) is None   # one failure: not yet
+    assert rollout_failure([_pod("b", "new", restarts=3, deleting=True, message=msg)], None, "new", NOW) is None
     why = rollout_failure([old, _pod("b", "new", restarts=2, message=f"loading\n{msg}", waiting="CrashLoopBackOff")],
-                          None, "new")
+                          None, "new", NOW)
     assert why is not None and msg in why and "CrashLoopBackOff" in why and "loading" not in why
-    assert rollout_failure([_pod("b", "new", restarts=5, exit_code=0)], None, "new") is None   # not errors
+    assert rollout_failure([_pod("b", "new", restarts=5, exit_code=0)], None, "new", NOW) is None   # not errors
     dep = {"metadata": {"name": "chat"},
            "spec": {"template": {"metadata": {"annotations": {ANNOTATION_RESTART_HASH: "new"}}}},
            "status": {"conditions": [{"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
                                       "message": 'ReplicaSet "chat-5d9" has timed out progressing.'}]}}
-    assert "timed out progressing" in rollout_failure([], dep, "new")
-    assert rollout_failure([], dep, "other") is None
+    assert "timed out progressing" in rollout_failure([], dep, "new", NOW)
+    assert rollout_failure([], dep, "other", NOW) is None
+
+
+def test_a_new_pod_the_scheduler_cannot_place_fails_the_rollout_after_a_bound_and_is_named_while_it_waits():
+    """A rollout's or canary's extra pod with no room (a shared cluster with no spare GPU) is a failure
+    after UNSCHEDULABLE_S, with the scheduler's words, not after the Deployment's 30-minute deadline;
+    while it waits, the tuner's message says what the scheduler says."""
+    why = "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."
+
+    def pending(hsh: str, since_s: float, deleting: bool = False) -> dict:
+        pod = _pod("b", hsh, restarts=0, deleting=deleting)
+        since = dt.datetime.fromtimestamp(NOW - since_s, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        pod["status"] = {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
+                                                             "reason": "Unschedulable", "message": why,
+                                                             "lastTransitionTime": since}]}
+        return pod
+    assert rollout_failure([pending("new", UNSCHEDULABLE_S - 5)], None, "new", NOW) is None   # not yet
+    failed = rollout_failure([pending("new", UNSCHEDULABLE_S + 5)], None, "new", NOW)
+    assert failed is not None and why in failed and "pod b" in failed and f"{UNSCHEDULABLE_S + 5:.0f}s" in failed
+    assert rollout_failure([pending("old", UNSCHEDULABLE_S + 5)], None, "new", NOW) is None   # not the change's
+    note = placement_note([_pod("a", "old", restarts=0), pending("new", 30)], NOW)
+    assert why in note and "pod b for 30s" in note
+    assert placement_note([_pod("a", "old", restarts=0)], NOW) == ""
+    assert placement_note([pending("new", 30, deleting=True)], NOW) == ""
 
 
 def _pending_restart_status() -> tuple[dict, EngineConfig, EngineConfig]:
