@@ -160,12 +160,11 @@ class Kube:
             return self._call(self.custom.get_namespaced_custom_object, group, version, namespace, what, name)
         return self._call(getattr(self._typed(api), f"read_namespaced_{what}"), name, namespace)
 
-    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply `obj` (create or update) as this operator's field manager, forcing conflicts."""
+    def _patch(self, obj: dict[str, Any], **kwargs: Any) -> dict[str, Any] | None:
+        """PATCH `obj` onto the object of its kind and name (None on 404)."""
         api_version, kind = obj["apiVersion"], obj["kind"]
         name, namespace = obj["metadata"]["name"], obj["metadata"]["namespace"]
         api, what = self._route(api_version, kind)
-        kwargs = {"field_manager": self.field_manager, "force": True, "_content_type": APPLY_CONTENT_TYPE}
         if api == "custom":
             group, version = api_version.split("/")
             fn, args = self.custom.patch_namespaced_custom_object, (group, version, namespace, what, name)
@@ -173,14 +172,33 @@ class Kube:
             fn = getattr(self._typed(api), f"patch_namespaced_{what}")
             args = (name, namespace)
         try:
-            out = self._call(fn, *args, obj, **kwargs)
+            return self._call(fn, *args, obj, field_manager=self.field_manager, **kwargs)
         except KubeError as e:
             # Clients before v33 send a YAML content type only from a string body (JSON is YAML).
             if e.status != 0 or "Cannot prepare a request message" not in str(e):
                 raise
-            out = self._call(fn, *args, json.dumps(obj), **kwargs)
+            return self._call(fn, *args, json.dumps(obj), field_manager=self.field_manager, **kwargs)
+
+    def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply `obj` (create or update) as this operator's field manager, forcing conflicts.
+        A resourceVersion in `obj` is a precondition only on an object that exists: one deleted since
+        it was read is created again (see `update_if_current`)."""
+        out = self._patch(obj, force=True, _content_type=APPLY_CONTENT_TYPE)
         if out is None:  # 404 on apply: the namespace is gone (being deleted)
-            raise KubeError(f"cannot apply {kind} {namespace}/{name}: not found", 404)
+            raise KubeError(f"cannot apply {obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']}: "
+                            "not found", 404)
+        return out
+
+    def update_if_current(self, obj: dict[str, Any], resource_version: str) -> dict[str, Any]:
+        """Merge-patch `obj` onto the object of its name only while that object is the one read at
+        ``resource_version``: refused (KubeError 409) when it changed since, (404) when it is gone.
+        Never creates it, where server-side apply creates an object deleted since the read whatever
+        resourceVersion it carries (a deleted admin-key Secret came back with the old key)."""
+        body = {**obj, "metadata": {**obj["metadata"], "resourceVersion": resource_version}}
+        out = self._patch(body, _content_type=MERGE_CONTENT_TYPE)
+        if out is None:
+            raise KubeError(f"{obj['kind']} {obj['metadata']['namespace']}/{obj['metadata']['name']} is gone "
+                            "since it was read", 404)
         return out
 
     # -- the custom resource ----------------------------------------------------------------

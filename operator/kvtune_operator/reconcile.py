@@ -288,10 +288,9 @@ class Reconciler:
                                        allow_namespaces=self.settings.network_allow_namespaces, admin_key=key)
             canary_args = None if volume_refusal is not None else (image, key)
             admin_secret = render_admin_secret(infd, key)
-            read_version = (secret or {}).get("metadata", {}).get("resourceVersion")
-            if kept and read_version:  # written only if it is still the Secret read: one deleted since (a
-                # user rotating the key) must not come back with the old key; the next pass makes a new one
-                admin_secret["metadata"]["resourceVersion"] = read_version
+            # the key read is written back only onto the Secret read: one deleted since (a user rotating
+            # the key) must not come back with the old key; the next pass makes a new one
+            kept_version = (secret or {}).get("metadata", {}).get("resourceVersion") if kept else None
             objs = apply_order([admin_secret, *children])
             for obj in objs:
                 kind, md = obj["kind"], obj["metadata"]
@@ -323,7 +322,8 @@ class Reconciler:
                                       f"{' and '.join(k for k in waits_for if k in failed)} must be in place first")
                     continue
                 try:
-                    after = self.kube.apply(obj)
+                    after = self.kube.update_if_current(obj, kept_version) if obj is admin_secret and kept_version \
+                        else self.kube.apply(obj)
                 except KubeError as e:
                     errors.append(f"applying {label(obj)} failed: {e}")
                     log.warning("%s/%s: %s", namespace, name, errors[-1])

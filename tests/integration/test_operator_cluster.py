@@ -27,6 +27,9 @@ import httpx
 import pytest
 import yaml
 from kvtune_operator.demo.engine import free_port
+from kvtune_operator.kube import Kube
+from kvtune_operator.reconcile import Reconciler
+from kvtune_operator.settings import Settings
 
 from tests.infd import infd_body
 
@@ -571,6 +574,37 @@ def test_the_network_policy_is_in_place_before_the_engine_pods(controlplane, crd
                    .get("message", ""), what="Degraded to name the refused Service")
     finally:
         op.stop()
+        controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_a_secret_deleted_between_the_read_and_the_write_is_not_created_again_with_the_old_key(controlplane, crd):
+    """The race behind the test below, made certain on the real apiserver: a reconcile (in this
+    process, on a namespace no operator watches) reads the admin-key Secret, the user deletes it, then
+    the reconcile writes. A server-side apply would create it again with the old key whatever
+    resourceVersion it carried (a CI run saw exactly that); the Secret read is written back only onto
+    itself, so the write fails, nothing is created, and the next pass makes a new key."""
+    kube = Kube(controlplane.api_client())
+    rec = Reconciler(kube, Settings.from_env({}))
+    ns = _make_namespace(controlplane, "keyrace")
+    try:
+        controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd_yaml("raced"))
+        rec.reconcile(ns, "raced")
+        old_key = admin_key(controlplane, ns, "raced")
+        read = kube.get
+
+        def read_then_delete(api_version, kind, namespace, name):
+            out = read(api_version, kind, namespace, name)
+            if kind == "Secret":  # the user's kubectl delete, just after the reconcile's read
+                controlplane.kubectl("delete", "secret", name, "-n", namespace)
+            return out
+        kube.get = read_then_delete
+        rec.reconcile(ns, "raced")
+        kube.get = read
+        gone = controlplane.kubectl("get", "secret", "raced-admin-key", "-n", ns, check=False)
+        assert gone.returncode != 0 and "NotFound" in gone.stderr, gone.stdout
+        rec.reconcile(ns, "raced")
+        assert admin_key(controlplane, ns, "raced") != old_key
+    finally:
         controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 

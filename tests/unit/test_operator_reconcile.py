@@ -88,8 +88,10 @@ class FakeKube:
             raise KubeError("admission webhook denied the request", 422)
         key = (obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
         old = self.objects.get(key)
-        want_rv = obj["metadata"].get("resourceVersion")  # the apiserver's precondition
-        if want_rv is not None and (old is None or old["metadata"]["resourceVersion"] != want_rv):
+        # as the apiserver: a resourceVersion is a precondition on an object that exists; one that does
+        # not is created, whatever resourceVersion the apply carries (checked on a v1.36 kube-apiserver)
+        want_rv = obj["metadata"].get("resourceVersion")
+        if want_rv is not None and old is not None and old["metadata"]["resourceVersion"] != want_rv:
             raise KubeError(f"Operation cannot be fulfilled on {obj['kind']} {obj['metadata']['name']}: "
                             "the object has been modified", 409)
         new = copy.deepcopy(obj)
@@ -105,6 +107,13 @@ class FakeKube:
         new["metadata"]["resourceVersion"] = self._bump()
         self.objects[key] = new
         return copy.deepcopy(new)
+
+    def update_if_current(self, obj, resource_version):
+        key = (obj["apiVersion"], obj["kind"], obj["metadata"]["namespace"], obj["metadata"]["name"])
+        if key not in self.objects:
+            self.calls.append((obj["kind"], "patch"))
+            raise KubeError(f"{obj['kind']} {obj['metadata']['name']} is gone since it was read", 404)
+        return self.apply({**obj, "metadata": {**obj["metadata"], "resourceVersion": resource_version}})
 
     def list_pods(self, namespace, label_selector):
         self.calls.append(("pods", "list"))
@@ -212,8 +221,9 @@ def test_second_reconcile_changes_nothing():
 def test_a_secret_deleted_mid_reconcile_is_not_written_back_with_the_old_key():
     """A user deletes the admin-key Secret to rotate the key while a reconcile runs, between its read of
     the Secret and its write: that write must not create the Secret again with the old key (pods and
-    operator would agree on it, and the rotation would silently not happen). It fails on the read's
-    resourceVersion; the next pass makes a new key and rolls the pods onto it."""
+    operator would agree on it, and the rotation would silently not happen). Server-side apply would
+    create it, whatever resourceVersion it carried (the fake does as the apiserver does): the kept key is
+    written only onto the Secret read; the next pass makes a new key and rolls the pods onto it."""
     kube, rec = setup()
     rec.reconcile("llm", "qwen")
     skey = ("v1", "Secret", "llm", "qwen-admin-key")
