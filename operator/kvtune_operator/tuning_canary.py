@@ -91,8 +91,25 @@ def pod_figures(series: Iterable[Mapping[str, Any]], pod: str, window_s: float, 
                                        slo_tpot_s=slo_tpot_s)
         errors = sum(f.get("kvtune_requests_finished_total", finish_reason=r) or 0.0 for r in ("error", "rejected"))
     return (PodFigures(pod, float(obs.requests_finished), obs.goodput_requests_per_s * window_s,
-                       obs.output_tokens_per_s * window_s, errors, obs.ttft_p99_s or None),
+                       obs.output_tokens_per_s * window_s, errors, obs.ttft_p99_s or None,
+                       queue_growth(mine, runtime)),
             measured_figures(obs))
+
+
+#: each runtime's gauge of the requests waiting to be scheduled: (metric, its labels)
+WAITING_GAUGE = {"kvtune": ("kvtune_requests", {"state": "waiting"}), "vllm": ("vllm:num_requests_waiting", {})}
+
+
+def queue_growth(series: Iterable[Mapping[str, Any]], runtime: str = "kvtune") -> float:
+    """How much one pod's waiting queue grew over the window (its gauge's last sample less its first;
+    0 when it shrank): requests offered in the window that it had not begun to serve at its end."""
+    name, labels = WAITING_GAUGE[runtime]
+    for s in series:
+        m = s.get("metric") or {}
+        values = [float(v) for _, v in s.get("values") or ()]
+        if m.get("__name__") == name and all(m.get(k) == v for k, v in labels.items()) and values:
+            return max(0.0, values[-1] - values[0])
+    return 0.0
 
 
 def gates_of(spec: InferenceDeploymentSpec) -> Gates:

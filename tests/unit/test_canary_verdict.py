@@ -8,6 +8,7 @@ from kvtune_operator.model import AutotuneSpec, CanaryStatus
 from kvtune_operator.tuner import canary
 from kvtune_operator.tuner.canary import Gates, PodFigures, canary_applies, judge_canary
 from kvtune_operator.tuner.decide import judge
+from kvtune_operator.tuning_canary import queue_growth
 
 
 def pod(name: str, attainment: float, n: float = 200.0, ttft_p99: float | None = 1.0, errors: float = 0.0,
@@ -119,3 +120,28 @@ def test_how_long_a_canary_may_measure_is_in_the_spec():
             AutotuneSpec.model_validate({"canary": {"maxWindows": bad}})
     with pytest.raises(ValueError, match="maxWindows must be >= 1"):
         Gates(max_windows=0)
+
+
+def test_a_canary_whose_queue_grows_counts_the_requests_it_left_waiting_as_misses():
+    """A CI run promoted maxNumSeqs 1 against controls at 32: the canary finished the few requests it
+    admitted in time (0.57 of them) while its queue grew, and the controls, busier, met 0.47. The
+    requests it left waiting were offered in the window too: counted as misses, it is reverted."""
+    controls = [PodFigures("c-1", 100, 47, 4800, ttft_p99_s=2.0), PodFigures("c-2", 100, 47, 4800, ttft_p99_s=2.0)]
+    survivors = PodFigures("c-0", 35, 20, 1680, ttft_p99_s=1.5)
+    assert judge_canary(survivors, controls).promote  # finished requests alone: the survivors read well
+    j = judge_canary(PodFigures("c-0", 35, 20, 1680, ttft_p99_s=1.5, unserved=60), controls)
+    assert not j.promote and j.gates[0].canary == pytest.approx(20 / 95)
+    # the controls' own queue growth counts the same way
+    grown = [PodFigures("c-1", 100, 47, 4800, unserved=150), PodFigures("c-2", 100, 47, 4800, unserved=150)]
+    assert judge_canary(PodFigures("c-0", 35, 20, 1680, unserved=60), grown).promote
+
+
+def test_queue_growth_reads_each_runtimes_waiting_gauge_first_to_last():
+    def series(name, values, **labels):
+        return {"metric": {"__name__": name, "pod": "p", **labels}, "values": [[t, str(v)] for t, v in values]}
+    kv = [series("kvtune_requests", [(0, 3), (10, 1), (20, 9)], state="waiting"),
+          series("kvtune_requests", [(0, 0), (20, 50)], state="running")]
+    assert queue_growth(kv) == 6
+    assert queue_growth([series("kvtune_requests", [(0, 9), (20, 2)], state="waiting")]) == 0  # it drained
+    assert queue_growth([series("vllm:num_requests_waiting", [(0, 0), (20, 12)])], runtime="vllm") == 12
+    assert queue_growth([]) == 0

@@ -13,6 +13,12 @@ before/after rule, a fall of more than 10% is a regression), and, when set, its 
 before/after rule, when neither side has any goodput (deep overload) output throughput per request
 offered stands in for attainment.
 
+A pod's attainment counts the requests it finished and, as misses, the growth of its waiting queue
+over the window (``PodFigures.unserved``: requests offered in the window that it had not begun to
+serve at its end). Finished requests alone are the survivors: a canary that serves too few sequences
+finishes the requests it admits in time while the rest queue, and read 0.57 against its controls'
+0.47 (the controls' queues short) with its queue at 18 s, promoted, in a CI run.
+
 The canary serves only its share of the window's requests, so its slo attainment carries a sampling
 noise of its own (a few percent on a few hundred requests): a change whose true ratio is near the
 gate often reads as just beyond it. The goodput gate therefore allows for it: its margin from the
@@ -73,14 +79,19 @@ class PodFigures:
     output_tokens: float = 0.0
     errors: float = 0.0             # failed requests (aborted, rejected)
     ttft_p99_s: float | None = None
+    unserved: float = 0.0           # the waiting queue's growth over the window: offered, not yet begun
+
+    @property
+    def offered(self) -> float:
+        return self.requests + self.unserved
 
     @property
     def slo_attainment(self) -> float:
-        return self.good / self.requests if self.requests > 0 else 0.0
+        return self.good / self.offered if self.offered > 0 else 0.0
 
     @property
     def tokens_per_request(self) -> float:
-        return self.output_tokens / self.requests if self.requests > 0 else 0.0
+        return self.output_tokens / self.offered if self.offered > 0 else 0.0
 
     @property
     def error_rate(self) -> float:
@@ -129,7 +140,8 @@ def pooled(controls: Sequence[PodFigures]) -> PodFigures:
     w = sum(n for _, n in p99s)
     p99 = sum(v * n for v, n in p99s) / w if w > 0 else (p99s[0][0] if p99s else None)
     return PodFigures("+".join(c.pod for c in controls), req, sum(c.good for c in controls),
-                      sum(c.output_tokens for c in controls), sum(c.errors for c in controls), p99)
+                      sum(c.output_tokens for c in controls), sum(c.errors for c in controls), p99,
+                      sum(c.unserved for c in controls))
 
 
 def judge_canary(canary: PodFigures, controls: Sequence[PodFigures], gates: Gates = Gates(),
@@ -173,8 +185,8 @@ def attainment_margin(canary: PodFigures, ctl: PodFigures, ratio_min: float) -> 
     controls' (negative: below): each attainment a binomial share of its own requests, its variance
     taken at (good + 1) / (requests + 2) so that a share of 0 or 1 still has some."""
     def var(p: PodFigures) -> float:
-        q = (p.good + 1) / (p.requests + 2)
-        return q * (1 - q) / max(p.requests, 1.0)
+        q = (p.good + 1) / (p.offered + 2)
+        return q * (1 - q) / max(p.offered, 1.0)
     se = math.sqrt(var(canary) + ratio_min ** 2 * var(ctl))
     return (canary.slo_attainment - ratio_min * ctl.slo_attainment) / se
 
