@@ -183,7 +183,7 @@ def judge_canary(canary: PodFigures, controls: Sequence[PodFigures], gates: Gate
 def attainment_margin(canary: PodFigures, ctl: PodFigures, ratio_min: float) -> float:
     """How many standard errors the canary's slo attainment is above ``ratio_min`` times the
     controls' (negative: below): each attainment a binomial share of its own requests, its variance
-    taken at (good + 1) / (requests + 2) so that a share of 0 or 1 still has some."""
+    taken at (good + 1) / (offered + 2) so that a share of 0 or 1 still has some."""
     def var(p: PodFigures) -> float:
         q = (p.good + 1) / (p.offered + 2)
         return q * (1 - q) / max(p.offered, 1.0)
