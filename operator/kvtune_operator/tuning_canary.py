@@ -105,10 +105,9 @@ def queue_growth(series: Iterable[Mapping[str, Any]], runtime: str = "kvtune") -
     0 when it shrank): requests offered in the window that it had not begun to serve at its end."""
     name, labels = WAITING_GAUGE[runtime]
     for s in series:
-        m = s.get("metric") or {}
-        values = [float(v) for _, v in s.get("values") or ()]
+        m, values = s.get("metric") or {}, s.get("values") or ()
         if m.get("__name__") == name and all(m.get(k) == v for k, v in labels.items()) and values:
-            return max(0.0, values[-1] - values[0])
+            return max(0.0, float(values[-1][1]) - float(values[0][1]))
     return 0.0
 
 
