@@ -9,11 +9,15 @@ from kvtune_engine.config import RESTART_KNOBS, EngineConfig
 from kvtune_engine.kv.sizing import ActivationProfile
 from kvtune_engine.sim.profiles import load_profile
 from kvtune_engine.sim.scenarios import SCENARIOS
+from kvtune_engine.sim.simulator import SLO
+from kvtune_engine.sim.trace import TraceRequest
+from kvtune_operator.tuner.bounds import Bounds
 from kvtune_operator.tuner.decide import Objectives
 from kvtune_operator.tuner.loop import Tuner, TunerSettings, engine_takes, measure
 from kvtune_operator.model import to_engine_dict
 from kvtune_operator.render import restart_hash
 from kvtune_operator.tuner.observation import _activation_profile
+from kvtune_operator.tuner.predict import Predictor
 
 SC = SCENARIOS["seq-cap"]
 PROFILE = load_profile(SC.profile)
@@ -94,3 +98,30 @@ def test_tick_says_a_spec_raise_past_the_profile_needs_a_restart():
     t = res.status_update["tuning"]
     assert t["phase"] == "Applying" and "without a restart" in t["message"] and "max_num_seqs 128" in t["message"]
     assert {c.type: c.reason for c in res.conditions}["Tuned"] == "NeedsRestart"
+
+
+def test_a_live_budget_cut_is_predicted_on_the_kv_cache_the_engine_has():
+    # the gpu-shaped loop's a100-lowmem start: gpuMemoryUtilization just above the weights, the default
+    # 8192-token budget. The engine sized its cache for an 8192-token step; a live cut to 2048 keeps
+    # that cache (96 blocks), only a restart with the smaller profile would get the 2048 step's ~400
+    cur = EngineConfig(block_size=16, swap_space=0, enable_prefix_caching=False, max_num_seqs=64,
+                       gpu_memory_utilization=0.21)
+    prof, slo = load_profile("a100-llama3-8b"), SLO(ttft_s=1.0)
+    trace = [TraceRequest(i / 3.0, 200, 300) for i in range(60)]
+    backlog = [TraceRequest(0.0, 200, 300)] * 100
+    pred = Predictor(prof, slo, backlog=backlog, running=cur)
+    base = pred.predict(trace, cur)
+    cut = pred.predict(trace, cur.with_changes(max_num_batched_tokens=2048))
+    more = pred.predict(trace, cur.with_changes(gpu_memory_utilization=0.3))
+    assert cut["num_blocks"] == base["num_blocks"] == prof.kv_cache_size(cur).num_blocks
+    restarted = cur.with_changes(max_num_batched_tokens=2048, profile_batched_tokens=2048)
+    assert prof.kv_cache_size(restarted).num_blocks > 3 * base["num_blocks"]  # what the cut looked like
+    assert more["num_blocks"] > 10 * base["num_blocks"]
+    # so the tuner fixes the memory (a restart) and does not take the cut as a live memory fix
+    obs = measure(trace, cur, prof, slo)
+    settings = TunerSettings(objectives=Objectives(slo_ttft_s=1.0),
+                             bounds=Bounds.parse({"gpuMemoryUtilization": {"min": 0.21, "max": 0.9},
+                                                      "blockSize": [16]}))
+    rnd = Tuner(settings, base_profile=prof).round(obs, trace, 0.0, apply=False)
+    assert rnd.decision.action == "change" and rnd.decision.restart, rnd.decision.reason
+    assert rnd.decision.config.gpu_memory_utilization > 0.21, rnd.decision.changes

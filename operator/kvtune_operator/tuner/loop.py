@@ -144,7 +144,7 @@ class Tuner:
             profile, fit = self._fitted(obs)
         # every config is scored on the next window: the requests in the engine now, then arrivals
         # like this window's (``Predictor``)
-        pred = Predictor(profile, s.slo, backlog=in_engine([*lead, *trace]), vllm=s.vllm)
+        pred = Predictor(profile, s.slo, backlog=in_engine([*lead, *trace]), vllm=s.vllm, running=cfg)
         baseline = pred.predict(tr, cfg)
         if baseline is None:
             return Round(now, obs, diag, cfg, verdict=verdict, fit=fit,

@@ -129,13 +129,20 @@ class Predictor:
       inside the window, as the engine's histograms do (``window_summary``).
 
     ``vllm``: the engine is vLLM V1, replayed under its policy (``sim.vllm_policy``: always-chunked
-    prefill, recompute-only preemption, queue time from intake)."""
+    prefill, recompute-only preemption, queue time from intake).
+
+    ``running``: the engine's config now. A candidate that changes only live knobs runs on the engine's
+    KV cache as it is: the cache was sized at start-up for the step budget it profiled, and a live
+    budget cut frees none of that memory (replayed with the smaller budget's larger cache, a cut from
+    8192 to 2048 at a tight gpuMemoryUtilization looked like 4x the blocks, was applied as a memory
+    fix and rolled back: issue 18)."""
     profile: Profile
     slo: SLO = field(default_factory=SLO)
     lead: Sequence[TraceRequest] = ()
     window_start: float | None = None
     backlog: Sequence[TraceRequest] = ()
     vllm: bool = False
+    running: EngineConfig | None = None
     runs: int = 0
     _cache: dict[str, Mapping[str, Any] | None] = field(default_factory=dict, repr=False)
     _trace_id: int | None = field(default=None, repr=False)
@@ -145,7 +152,16 @@ class Predictor:
                    vllm: bool = False) -> "Predictor":
         return cls(profile, slo, as_trace(lead, rebase=False), window_start, vllm=vllm)
 
+    def as_run(self, cfg: EngineConfig) -> EngineConfig:
+        """``cfg`` as the engine would run it: a live change keeps the running engine's profiled step,
+        so its KV cache (see ``running``). vLLM changes nothing live: each change is a new start."""
+        r = self.running
+        if r is None or self.vllm or cfg.restart_changes(r) or cfg.profiled_batched_tokens >= r.profiled_batched_tokens:
+            return cfg
+        return cfg.with_changes(profile_batched_tokens=r.profiled_batched_tokens)
+
     def _simulate(self, trace: list[TraceRequest], cfg: EngineConfig, per_request: bool = False) -> dict:
+        cfg = self.as_run(cfg)
         if self.vllm:
             return simulate(trace, vllm_v1_config(cfg), self.profile, self.slo, per_request=per_request,
                             queue_clock=QUEUE_CLOCK, admission=ADMISSION)
@@ -160,7 +176,7 @@ class Predictor:
         key = cfg.model_dump_json()
         if key not in self._cache:
             try:
-                self.profile.kv_cache_size(cfg)
+                self.profile.kv_cache_size(self.as_run(cfg))
             except ConfigError:
                 self._cache[key] = None
                 return None
@@ -195,7 +211,7 @@ class Predictor:
         if not reqs:
             return None
         try:
-            self.profile.kv_cache_size(cfg)
+            self.profile.kv_cache_size(self.as_run(cfg))
         except ConfigError:
             return None
         self.runs += 1
@@ -215,7 +231,7 @@ class Predictor:
 
     def with_profile(self, profile: Profile) -> "Predictor":
         """The same question (backlog, window, lead, policy) on another profile, with its own cache."""
-        return Predictor(profile, self.slo, self.lead, self.window_start, self.backlog, self.vllm)
+        return Predictor(profile, self.slo, self.lead, self.window_start, self.backlog, self.vllm, self.running)
 
     def predict_many(self, trace: Sequence[TraceRequest], cfgs: Iterable[EngineConfig]
                      ) -> list[tuple[EngineConfig, Mapping[str, Any]]]:
