@@ -38,6 +38,7 @@ class OpenLoopLoad:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._in_flight = 0
+        self._issued = 0  # handed to the pool; ``stats.sent`` counts those posted to the engine
         self._deadline = 0.0
         self._pool: ThreadPoolExecutor | None = None
         self._thread: threading.Thread | None = None
@@ -79,7 +80,7 @@ class OpenLoopLoad:
         nxt = time.monotonic()
         while not self._over():
             with self._lock:
-                if self.stats.sent + self.stats.dropped >= self.max_requests:
+                if self._issued + self.stats.dropped >= self.max_requests:
                     return
                 rate, (p, o) = self.rate, self.shape
                 if self._in_flight >= self.max_in_flight:
@@ -87,7 +88,7 @@ class OpenLoopLoad:
                     body = None
                 else:
                     self._in_flight += 1
-                    self.stats.sent += 1
+                    self._issued += 1
                     body = completion_body(self.model, [self._rng.randrange(16, self.vocab) for _ in range(p)], o)
             if body is not None:
                 self._pool.submit(self._send, body)
@@ -103,6 +104,10 @@ class OpenLoopLoad:
         return c
 
     def _send(self, body: dict) -> None:
+        # ``sent`` counts a request once it is posted: one the pool had not started when the load
+        # stopped never reached the engine, and counted as sent it read as a request the engine lost
+        # (sent 223, ok 222, failed 0 on a busy machine)
+        posted = False
         try:
             while not self._over():
                 base = self.url()
@@ -111,6 +116,10 @@ class OpenLoopLoad:
                     continue
                 if urlsplit(base).hostname != "127.0.0.1":
                     raise ValueError(f"the load goes to 127.0.0.1 only, not {base}")
+                if not posted:
+                    posted = True
+                    with self._lock:
+                        self.stats.sent += 1
                 try:
                     r = self._client().post(f"{base}/v1/completions", json=body)
                 except httpx.TransportError:  # the engine restarts (a rollout): find it again
