@@ -151,15 +151,32 @@ class LoggedServer:
     cwd: Path | None = None
     start_timeout_s = 300.0
     proc: subprocess.Popen | None = None
+    #: starts on a new port when another process took the chosen one before the server bound it (vLLM
+    #: binds ~20 s after it starts; seen once with two test workers starting control planes beside it)
+    bind_tries = 3
 
     def start(self, timeout_s: float | None = None):
-        self.proc = spawn_logged(self.argv, self.env, self.log_path, cwd=self.cwd)
-        try:
-            wait_healthy(self.proc, self.url, timeout_s or self.start_timeout_s, self.what, self.log_tail)
-        except TimeoutError:
-            self.stop()
-            raise
-        return self
+        for attempt in range(1, self.bind_tries + 1):
+            self.proc = spawn_logged(self.argv, self.env, self.log_path, cwd=self.cwd)
+            try:
+                wait_healthy(self.proc, self.url, timeout_s or self.start_timeout_s, self.what, self.log_tail)
+                return self
+            except RuntimeError:
+                if attempt < self.bind_tries and "Address already in use" in self.log_tail() \
+                        and self.use_port(free_port()):
+                    print(f"  {self.what}: its port was taken before it bound it; again on port {self.port}",
+                          file=sys.stderr)
+                    self.stop()
+                    continue
+                raise
+            except TimeoutError:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
+
+    def use_port(self, port: int) -> bool:
+        """Move the server to ``port`` before a new start; False where the subclass cannot."""
+        return False
 
     def log_tail(self, n: int = 40) -> str:
         try:
@@ -202,14 +219,19 @@ class VllmServer(LoggedServer):
         self.model_dir = Path(model_dir)
         self.run_dir = self.cwd = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = serve_argv(self.model_dir, self.port, args, kv_cache_gib)
+        self.args, self.kv_cache_gib = list(args), kv_cache_gib
+        self.use_port(port or free_port())
         tmp = self.run_dir / "tmp"
         self.short_tmp = Path(tempfile.mkdtemp(prefix="kvv-", dir="/tmp")) if len(str(tmp)) > SOCKET_DIR_MAX else None
         self.env = vllm_env(self.run_dir, kv_cache_gib, threads_bind, tmp=self.short_tmp or tmp)
-        self.log_path = self.run_dir / f"vllm-{self.port}.log"
         self.proc = None
+
+    def use_port(self, port: int) -> bool:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.argv = serve_argv(self.model_dir, port, self.args, self.kv_cache_gib)
+        self.log_path = self.run_dir / f"vllm-{port}.log"
+        return True
 
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
