@@ -29,9 +29,9 @@ import pytest
 import yaml
 
 from tests.infd import infd_body
-from tests.vllm.server import TEST_ARGS, vllm_bin
+from tests.vllm.server import TEST_ARGS, TEST_ENV, vllm_bin
 
-from .e2e_load import OpenLoopLoad
+from .e2e_load import OpenLoopLoad, served_rate
 from .test_operator_cluster import OperatorProcess, _make_namespace, crd, eventually, get  # noqa: F401
 from .test_tuner_e2e import LABEL, first_apply, history, start_engine, url_of, wait_for
 
@@ -89,7 +89,7 @@ def infd(name: str, model: Path, cache: Path, mode: str = "Recommend", replicas:
     env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "TRITON_CACHE_DIR": str(cache / "triton"), "HF_HOME": str(cache / "hf"), "TMPDIR": str(cache / "tmp"),
-           "VLLM_RPC_BASE_PATH": str(cache / "tmp")}
+           "VLLM_RPC_BASE_PATH": str(cache / "tmp"), **TEST_ENV}
     return yaml.safe_dump(infd_body(
         name, runtime="vllm", replicas=replicas,
         model={"path": str(model), "servedModelName": "tiny"},
@@ -115,11 +115,16 @@ def test_operator_recommends_then_applies_and_keeps_more_sequences_on_a_real_vll
     assert Path(old.argv[0]) == vllm_bin() and old.argv[1] == "serve"
     argv = old.argv
     assert argv[argv.index("--max-num-seqs") + 1] == "2" and "--no-enable-prefix-caching" in argv
-    # 10 requests/s of 32 + 32 tokens: two sequences at a time cannot keep up. At most 32 in flight:
+    # twice what two sequences serve of 32 + 32 tokens, measured on this pod (a constant 10 requests/s
+    # queued on one machine and was served without a queue on a faster one). At most 32 in flight:
     # the backlog built while the new pod of the Apply starts (a minute or two) reaches it at once,
     # and 128 of them would take its first window to drain
-    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=10.0, prompt_tokens=32, output_tokens=32,
-                        vocab=VOCAB, max_requests=8000, max_seconds=600, max_in_flight=32, seed=5)
+    served = served_rate(url_of(pod_node, ns, name), "tiny", requests=8, prompt_tokens=32, output_tokens=32,
+                         vocab=VOCAB)
+    sys.stderr.write(f"two sequences serve {served:.1f} requests/s; the load sends {2 * served:.1f}\n")
+    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=2 * served, prompt_tokens=32, output_tokens=32,
+                        vocab=VOCAB, max_requests=int(2 * served * 600) + 1, max_seconds=600, max_in_flight=32,
+                        seed=5)
     with load:
         # 1. Recommend: the cause and a higher maxNumSeqs in status, nothing changed
         obj = wait_for(controlplane, ns, name,

@@ -4,7 +4,7 @@ Interface (stable; tests/ and bench/ rely on it)::
 
     from tests.vllm.server import VllmServer, vllm_bin, VllmNotInstalled, spawn_logged, wait_healthy
     with VllmServer(model_dir, run_dir, kv_cache_gib=1.0,
-                    args=["--max-num-seqs", "4", "--max-model-len", "1024"]) as srv:
+                    args=["--max-num-seqs", "4", "--max-model-len", "1024"], env={...}) as srv:
         srv.url          # "http://127.0.0.1:PORT" (a free loopback port), /health already answered
         srv.metrics()    # the /metrics text
         srv.log_path     # vLLM's stdout+stderr
@@ -90,6 +90,13 @@ def wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, what: str,
 # judge (vLLM's metrics, its scheduling under a cap or a small cache, the operator's rollout) does
 # not depend on the compiled kernels. The benchmarks compare with vLLM at its defaults.
 TEST_ARGS = ["--enforce-eager"]
+# For the same vLLMs: the model worker inside the engine-core process (vLLM's uni executor; on CPU vLLM
+# picks the multiprocess one unless this variable is 0). The multiprocess worker spins on its shared-memory
+# queue for a second after each step (shm_broadcast's SpinCondition, sched_yield): at 2 requests/s on
+# the tests' tiny model it used 1.05 cores against 0.16 in-process, and a start-up 25 CPU-s against 16.
+# On two cores shared with a control plane, an operator and the other test worker, that spin starved
+# the neighbours. What the tests judge (the API, the metrics, the scheduling) is the same.
+TEST_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 # vLLM binds ZMQ sockets at "ipc://<VLLM_RPC_BASE_PATH>/<uuid4>": 6 + 1 + 36 bytes besides the
@@ -215,7 +222,8 @@ class VllmServer(LoggedServer):
     start_timeout_s = 420.0
 
     def __init__(self, model_dir: Path | str, run_dir: Path | str, *, kv_cache_gib: float = 1.0,
-                 args: Sequence[str] = (), port: int | None = None, threads_bind: str = "0-1"):
+                 args: Sequence[str] = (), port: int | None = None, threads_bind: str = "0-1",
+                 env: dict[str, str] | None = None):
         self.model_dir = Path(model_dir)
         self.run_dir = self.cwd = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -223,7 +231,7 @@ class VllmServer(LoggedServer):
         self.use_port(port or free_port())
         tmp = self.run_dir / "tmp"
         self.short_tmp = Path(tempfile.mkdtemp(prefix="kvv-", dir="/tmp")) if len(str(tmp)) > SOCKET_DIR_MAX else None
-        self.env = vllm_env(self.run_dir, kv_cache_gib, threads_bind, tmp=self.short_tmp or tmp)
+        self.env = {**vllm_env(self.run_dir, kv_cache_gib, threads_bind, tmp=self.short_tmp or tmp), **(env or {})}
         self.proc = None
 
     def use_port(self, port: int) -> bool:

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from tests.vllm.load import ClosedLoop, replay
-from tests.vllm.server import TEST_ARGS, VllmServer, vllm_bin
+from tests.vllm.server import TEST_ARGS, TEST_ENV, VllmServer, vllm_bin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 KVTUNE = str(Path(sys.executable).parent / "kvtune")
@@ -37,7 +37,7 @@ def seq_cap_vllm(model_dir, tmp_path_factory):
     """One vLLM at max_num_seqs 2 for both sequence-cap tests (a vLLM start costs half a minute on two
     cores): each test drives its own load and judges its own window, the server idle in between."""
     with VllmServer(model_dir, tmp_path_factory.mktemp("vllm-seqcap"), kv_cache_gib=1,
-                    args=["--max-num-seqs", "2", "--max-model-len", "1024", *TEST_ARGS]) as srv:
+                    args=["--max-num-seqs", "2", "--max-model-len", "1024", *TEST_ARGS], env=TEST_ENV) as srv:
         yield srv
 
 
@@ -161,7 +161,7 @@ def test_too_little_kv_memory_on_real_vllm(model_dir, tmp_path):
     busy CI machine, closed before the first preemption and judged LowKVMemory on the full cache alone.
     Time (~1.5 min): vLLM's start-up and the window."""
     args = ["--max-num-seqs", "16", "--max-model-len", "1024", "--block-size", "128", *TEST_ARGS]
-    with VllmServer(model_dir, tmp_path, kv_cache_gib=2 / 1024, args=args) as srv:
+    with VllmServer(model_dir, tmp_path, kv_cache_gib=2 / 1024, args=args, env=TEST_ENV) as srv:
         with ClosedLoop(srv.url, str(model_dir), clients=24, prompt_tokens=100, output_tokens=250) as load:
             wait_for_queue(srv)
             first = wait_for_metric(srv, "vllm:num_preemptions_total", 300, "vLLM preempted nothing")
