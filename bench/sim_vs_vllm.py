@@ -78,6 +78,14 @@ mean TTFT / mean TPOT / client mean e2e:
   over 10%: both queues are minutes long at this rate (mean TTFT 60 s), and the simulated queue's
   tail (p99 +93%) is the last arrivals waiting longer.
 
+All three on a quiet machine (2026-12-07, nothing else running, one run each, default sizing; throughput /
+mean TTFT / mean TPOT / client mean e2e):
+
+* base, 537 requests at 13.4/s: -1.1% / -4.4% / -6.6% / -6.1%;
+* shared-prefix, 522 requests at 13.1/s (prefix hit rate 0.910 on both sides): -0.1% / +1.8% / -2.5% / -2.4%;
+* preemption, 680 requests at 17.0/s (vLLM 366 preemptions, the simulator 361; mean TTFT 48 s):
+  -1.0% / +1.9% / +1.1% / +1.8%. The +12.5% above was the same workload with other tests beside it.
+
 With ``tuner.vllm_steps`` (shared prefills, frontend), the kept runs of the quiet machine below
 (307 / 332 / 713 requests; ``--replay``), throughput / mean TTFT / mean TPOT / client mean e2e:
 base -0.3% / +4.6% / -2.9% / -3.1% (its prefill +10.8%, was +18.7%), shared-prefix -0.6% /
