@@ -86,6 +86,9 @@ mean TTFT / mean TPOT / client mean e2e):
 * preemption, 680 requests at 17.0/s (vLLM 366 preemptions, the simulator 361; mean TTFT 48 s):
   -1.0% / +1.9% / +1.1% / +1.8%. The +12.5% above was the same workload with other tests beside it.
 
+Right after, ``--workload all`` once more: base -0.8% / +1.0% / -4.9% / -5.2%; shared-prefix +0.2% / -1.5% / -9.2% /
+-9.0%; preemption (868 requests at 21.7/s, 447 and 450 preemptions) -1.2% / +2.0% / +0.2% / +1.9%.
+
 With ``tuner.vllm_steps`` (shared prefills, frontend), the kept runs of the quiet machine below
 (307 / 332 / 713 requests; ``--replay``), throughput / mean TTFT / mean TPOT / client mean e2e:
 base -0.3% / +4.6% / -2.9% / -3.1% (its prefill +10.8%, was +18.7%), shared-prefix -0.6% /
