@@ -119,12 +119,11 @@ def test_operator_recommends_then_applies_and_keeps_more_sequences_on_a_real_vll
     # queued on one machine and was served without a queue on a faster one). At most 32 in flight:
     # the backlog built while the new pod of the Apply starts (a minute or two) reaches it at once,
     # and 128 of them would take its first window to drain
-    served = served_rate(url_of(pod_node, ns, name), "tiny", requests=8, prompt_tokens=32, output_tokens=32,
-                         vocab=VOCAB)
-    sys.stderr.write(f"two sequences serve {served:.1f} requests/s; the load sends {2 * served:.1f}\n")
-    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=2 * served, prompt_tokens=32, output_tokens=32,
-                        vocab=VOCAB, max_requests=int(2 * served * 600) + 1, max_seconds=600, max_in_flight=32,
-                        seed=5)
+    rate = 2 * served_rate(url_of(pod_node, ns, name), "tiny", requests=8, prompt_tokens=32, output_tokens=32,
+                           vocab=VOCAB)
+    sys.stderr.write(f"two sequences serve {rate / 2:.1f} requests/s; the load sends {rate:.1f}\n")
+    load = OpenLoopLoad(url_of(pod_node, ns, name), "tiny", rate=rate, prompt_tokens=32, output_tokens=32,
+                        vocab=VOCAB, max_requests=int(rate * 600) + 1, max_seconds=600, max_in_flight=32, seed=5)
     with load:
         # 1. Recommend: the cause and a higher maxNumSeqs in status, nothing changed
         obj = wait_for(controlplane, ns, name,
