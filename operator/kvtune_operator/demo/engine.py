@@ -13,6 +13,8 @@ from typing import Any
 
 import httpx
 
+from ..prometheus import tls_context
+
 
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _handed_out: set[int] = set()
@@ -89,7 +91,7 @@ class EngineProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the engine exited with code {self.proc.returncode}; see {self.log_path}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1.0, verify=tls_context()).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
