@@ -153,3 +153,20 @@ def test_logprobs_top_n_of_the_raw_distribution():
     assert lps[0].token_id == ids[0] and math.isclose(lps[0].logprob, ref[0, ids[0]].item(), abs_tol=1e-6)
     assert [i for i, _ in lps[0].top] == ref[0].topk(3).indices.tolist()
     assert lps[2].top == [] and math.isclose(lps[2].logprob, ref[2, ids[2]].item(), abs_tol=1e-6)
+
+
+def test_sampled_tokens_follow_the_distribution_and_never_a_masked_one():
+    """Frequencies over 6,000 draws within 4.5 standard deviations of each token's probability (masses
+    from 0.4 down to 0.001, one token of probability 0 after top-k), and a vocabulary of 122,880."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.089, 0.01, 0.001, 0.0])
+    logits = torch.log(probs).repeat(6000, 1)
+    s = Sampler(seed=3)
+    ids, _, _ = s(logits, [req(temperature=1.0, top_k=6) for _ in range(6000)])
+    assert 6 not in ids
+    for t, p in enumerate(probs.tolist()[:6]):
+        sd = math.sqrt(6000 * p * (1 - p))
+        assert abs(ids.count(t) - 6000 * p) <= 4.5 * sd + 1, (t, ids.count(t), p)
+    big = torch.full((2, 122_880), -1e4)
+    big[:, 7], big[:, 122_879] = 0.0, math.log(3.0)  # 1 : 3 at both ends of the vocabulary
+    ids, _, _ = s(big.repeat(500, 1), [req(temperature=1.0) for _ in range(1000)])
+    assert set(ids) == {7, 122_879} and abs(ids.count(122_879) / 1000 - 0.75) < 0.06
