@@ -91,7 +91,7 @@ def check_allowed(url: str, allowlist: Iterable[str]) -> str:
 def tls_context() -> ssl.SSLContext:
     """httpx's default verifying TLS context (its CA bundle, SSL_CERT_FILE / SSL_CERT_DIR honoured), built
     once per process: building one loads the whole CA bundle, ~20 ms of CPU, and every query and engine
-    call used to build its own (a third of the operator's CPU in a fleet of 30; bench/operator_scale.py)."""
+    call used to build its own (a third of the operator's busy time in the fleet test's 30 deployments)."""
     return httpx.create_ssl_context()
 
 

@@ -5,8 +5,9 @@ each filter runs once over the rows that need it. A token is drawn by inverse CD
 per row, looked up in the row's cumulative distribution (summed in float64), so a seeded request draws
 exactly one number per token from its own torch.Generator: its output depends on its seed only, never
 on which other requests share the batch. (The exponential race, argmax of p / E with E ~ Exp(1), draws
-V numbers per token: 6 ms a row at a 122,880-token vocabulary on one core, against 0.4 ms here.) Logprobs are those of the model's raw distribution (before penalties, bias,
-temperature and filters), as vLLM reports them by default.
+V numbers per token: 6 ms a row at a 122,880-token vocabulary on one core, against 0.4 ms here.)
+Logprobs are those of the model's raw distribution (before penalties, bias, temperature and filters),
+as vLLM reports them by default.
 
 Invariant owned here: one request's parameters can fail only that request. When the batched
 path raises, every row is sampled on its own and a row that still raises is reported in
