@@ -83,10 +83,10 @@ def vllm_run(controlplane, prometheus, vllm_ns, tmp_path):
 
 
 def infd(name: str, model: Path, cache: Path, mode: str = "Recommend", replicas: int = 1, ttft: str = "1s") -> str:
-    # nobind: a rolling update runs two vLLM pods on this node's two cores; bound ("0-1"), each
-    # worker's main thread sits on core 0 from its first import on, and the new pod's start-up,
-    # runnable next to the old worker's busy loop, got 0.6 s of CPU in 300 s and never finished
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+    # TEST_ENV leaves the threads unbound, which a rolling update needs here: it runs two vLLM pods on
+    # this node's two cores; bound ("0-1"), each worker's main thread sits on core 0 from its first
+    # import on, and the new pod's start-up, next to the old worker, got 0.6 s of CPU in 300 s
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "VLLM_CACHE_ROOT": str(cache / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
            "TRITON_CACHE_DIR": str(cache / "triton"), "HF_HOME": str(cache / "hf"), "TMPDIR": str(cache / "tmp"),
            "VLLM_RPC_BASE_PATH": str(cache / "tmp"), **TEST_ENV}
