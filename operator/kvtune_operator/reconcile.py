@@ -2,7 +2,8 @@
 
 Called by the kopf handlers (create/update/resume and the status timer) and, later, by the tuner.
 It is idempotent: children are server-side applied by name, so running it twice, or after an
-operator restart, changes nothing and duplicates nothing.
+operator restart, changes nothing and duplicates nothing. A child that neither side changed since
+this operator's last apply of it is not sent again (applied_memo).
 
 Concurrency: kopf runs handlers and timers of one object concurrently, each in a worker thread.
 All writes of one object (children and status) happen under one per-object lock, from a fresh
@@ -26,6 +27,7 @@ from pydantic import ValidationError
 
 from kvtune_engine.config import LIVE_KNOBS, RESTART_KNOBS, ConfigError
 from kvtune_operator import conditions as c
+from kvtune_operator.applied_memo import AppliedMemo
 from kvtune_operator.canary_children import has_canary_pod, restart_canary, sync_canary
 from kvtune_operator.effective import Effective, autotune_mode, effective_engine
 from kvtune_operator.kube import KubeError, now_rfc3339
@@ -177,6 +179,7 @@ class Reconciler:
         #: several replicas (shards.py): whether this replica holds the object's shard; None: one
         #: replica works on every object and writes as it always did
         self.owns: Callable[[str, str], bool] | None = None
+        self.applied = AppliedMemo()
 
     def lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_guard:
@@ -185,6 +188,7 @@ class Reconciler:
     def forget(self, namespace: str, name: str) -> None:
         with self._locks_guard:
             self._locks.pop((namespace, name), None)
+        self.applied.forget(namespace, name)
 
     def model_volume_refusal(self, namespace: str, infd: InferenceDeployment) -> c.Cond | None:
         """Unless allowHostPath: why the model volume's claim may not be mounted yet (missing, unbound,
@@ -322,8 +326,12 @@ class Reconciler:
                                       f"{' and '.join(k for k in waits_for if k in failed)} must be in place first")
                     continue
                 try:
-                    after = self.kube.update_if_current(obj, kept_version) if obj is admin_secret and kept_version \
-                        else self.kube.apply(obj)
+                    if self.applied.unchanged(name, obj, before_of[kind]):
+                        after = before_of[kind]
+                    else:
+                        after = self.kube.update_if_current(obj, kept_version) \
+                            if obj is admin_secret and kept_version else self.kube.apply(obj)
+                        self.applied.remember(name, obj, after)
                 except KubeError as e:
                     errors.append(f"applying {label(obj)} failed: {e}")
                     log.warning("%s/%s: %s", namespace, name, errors[-1])

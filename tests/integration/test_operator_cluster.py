@@ -608,6 +608,49 @@ def test_a_secret_deleted_between_the_read_and_the_write_is_not_created_again_wi
         controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
+def test_a_refresh_sends_only_what_changed_and_undoes_a_users_edit(controlplane, crd):
+    """Every refresh renders every child; on the real apiserver a reconcile with nothing changed
+    sends no write (a fleet's refreshes would otherwise cost six server-side applies per deployment
+    every statusInterval), while a child somebody edited is applied again and its edit of our fields
+    undone, and a spec change reaches its child. Run in this process on a namespace no operator
+    watches; the Deployment's status moves while its controller works on it, so a quiet reconcile is
+    waited for, then every later one must be quiet."""
+    kube = Kube(controlplane.api_client())
+    rec = Reconciler(kube, Settings.from_env({}))
+    sent: list[str] = []
+    apply, update_if_current = kube.apply, kube.update_if_current
+    kube.apply = lambda obj: sent.append(obj["kind"]) or apply(obj)
+    kube.update_if_current = lambda obj, rv: sent.append(obj["kind"]) or update_if_current(obj, rv)
+    ns = _make_namespace(controlplane, "refresh")
+
+    def sends() -> list[str]:
+        sent.clear()
+        rec.reconcile(ns, "steady")
+        return sorted(sent)
+    try:
+        controlplane.kubectl("apply", "-n", ns, "-f", "-", input=infd_yaml("steady"))
+        assert {"ConfigMap", "Deployment", "NetworkPolicy", "Secret", "Service"} <= set(sends())
+        eventually(lambda: sends() == [], timeout=30, what="a reconcile that sends nothing")
+        assert sends() == [] and sends() == []
+        engine_yaml = get(controlplane, "configmap", "steady-engine", ns)["data"]["engine.yaml"]
+        controlplane.kubectl("patch", "configmap", "steady-engine", "-n", ns, "--type", "merge",
+                             "-p", json.dumps({"data": {"engine.yaml": "max_num_seqs: 1\n"}}))
+        assert sends() == ["ConfigMap"]
+        assert get(controlplane, "configmap", "steady-engine", ns)["data"]["engine.yaml"] == engine_yaml
+        controlplane.kubectl("label", "service", "steady", "-n", ns, "kvtune.io/inference-deployment=other",
+                             "--overwrite")
+        assert sends() == ["Service"]
+        assert get(controlplane, "service", "steady", ns)["metadata"]["labels"][
+            "kvtune.io/inference-deployment"] == "steady"
+        controlplane.kubectl("patch", "infd", "steady", "-n", ns, "--type", "merge",
+                             "-p", json.dumps({"spec": {"engine": {"maxNumSeqs": 24}}}))
+        assert "ConfigMap" in sends()
+        assert "max_num_seqs: 24" in get(controlplane, "configmap", "steady-engine", ns)["data"]["engine.yaml"]
+        rec.applied.check()
+    finally:
+        controlplane.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
 def test_a_deleted_admin_key_secret_brings_pods_and_operator_to_one_key(controlplane, operator, opns, pod_node):
     """The engine reads its admin key from the Secret when it starts. Delete the Secret: the operator
     makes a new key, and the running pods are replaced by pods that hold it (before, they kept the

@@ -214,8 +214,32 @@ def test_second_reconcile_changes_nothing():
     out = rec.reconcile("llm", "qwen")
     assert out.events == [] and len(kube.events) == n_events
     assert ("kvtune.io/inferencedeployments/status", "patch") not in kube.calls  # nothing to write
+    assert [call for call in kube.calls if call[1] == "patch"] == []  # no child sent again either
     assert {k: v for k, v in kube.objects.items() if k[1] != "InferenceDeployment"} == before
     assert get_condition(kube.infd()["status"]["conditions"], "Ready")["status"] == "True"
+    rec.applied.check()
+
+
+def test_a_child_edited_by_someone_else_is_applied_again_and_only_it():
+    """Unchanged children are not sent again; one whose resourceVersion moved since our apply (a
+    user's edit) is, and the edit of a field we own is undone."""
+    kube, rec = setup()
+    rec.reconcile("llm", "qwen")
+    cm = kube.child("ConfigMap", "qwen-engine")
+    rendered = cm["data"]["engine.yaml"]
+    cm["data"]["engine.yaml"] = "max_num_seqs: 1\n"
+    cm["metadata"]["resourceVersion"] = kube._bump()
+    kube.calls.clear()
+    rec.reconcile("llm", "qwen")
+    assert [call for call in kube.calls if call[1] == "patch"] == [("ConfigMap", "patch")]
+    assert kube.child("ConfigMap", "qwen-engine")["data"]["engine.yaml"] == rendered
+    kube.objects = {k: v for k, v in kube.objects.items() if k[1] != "Service"}  # deleted by a user
+    kube.calls.clear()
+    rec.reconcile("llm", "qwen")
+    assert [call for call in kube.calls if call[1] == "patch"] == [("Service", "patch")]
+    assert kube.child("Service")
+    rec.forget("llm", "qwen")
+    assert len(rec.applied) == 0
 
 
 def test_a_secret_deleted_mid_reconcile_is_not_written_back_with_the_old_key():
