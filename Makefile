@@ -42,7 +42,8 @@ NOT_CUDA := $(if $(shell nvidia-smi -L 2>/dev/null),, and not cuda)
 # 2. the `alone` tests, in one pytest with no other test beside them: each sizes a load from a
 #    measurement of this machine and judges windows of it later, and a neighbour worker's start-ups
 #    moved the machine's speed in between (3 of 1057 failed in one of two fresh-clone runs when they
-#    shared the workers, issue 18).
+#    shared the workers, issue 18), or paces simulated engines in steps of a few milliseconds that a
+#    busy machine delays (test_gpu_shaped_loop's docstring).
 # Part 2 runs whatever part 1's result; make fails if either part failed. TEST_WORKERS defaults to
 # the CPUs, at most 4; TEST_WORKERS=1 runs part 1 in one pytest too. (A third worker on two cores
 # took part 1 from 1401 s to 1239-1245 s, but in one of two runs the tests that size a load at their
