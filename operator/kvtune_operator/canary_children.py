@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 from kvtune_engine.config import EngineConfig
 
+from .applied_memo import AppliedMemo
 from .kube import KubeError
 from .model import InferenceDeployment, PendingChange, TuningStatus, to_engine_dict
 from .ownership import label, may_write, owned_by
@@ -53,10 +54,11 @@ def canary_free(kube: Any, infd: InferenceDeployment) -> str:
 
 
 def sync_canary(kube: Any, infd: InferenceDeployment, config: EngineConfig, *, running: bool, image: str,
-                admin_key: str | None) -> str | None:
+                admin_key: str | None, applied: AppliedMemo | None = None) -> str | None:
     """Give the canary Deployment one pod of status.engine plus the pending change (``running``: one
     is pending in Apply mode), or none (a canary that exists, is ours and still has pods is set to
-    zero). Returns what went wrong, or None."""
+    zero). ``applied``: what was applied before, so an unchanged object is not sent again. Returns
+    what went wrong, or None."""
     pending = restart_canary(infd.status.tuning if infd.status else None) if running else None
     names = canary_names(infd.metadata.name)
     uid = infd.metadata.uid
@@ -73,8 +75,12 @@ def sync_canary(kube: Any, infd: InferenceDeployment, config: EngineConfig, *, r
         theirs = [label(o) for o in objs if not may_write(have[o["kind"]], uid)]
         if theirs:  # neither is written: half a canary is none
             return f"not this InferenceDeployment's, so no canary is run: {' and '.join(theirs)}"
+        owner = infd.metadata.name
         for obj in objs:  # the ConfigMap first: the pod mounts it
-            kube.apply(obj)
+            if applied is None or not applied.unchanged(owner, obj, have[obj["kind"]]):
+                after = kube.apply(obj)
+                if applied is not None:
+                    applied.remember(owner, obj, after)
     except KubeError as e:  # said, and tried again at the next reconcile
         return f"the canary Deployment {names.deployment} could not be {'applied' if pending else 'scaled to 0'}: {e}"
     return None

@@ -431,7 +431,7 @@ class Reconciler:
         if outcome.written and canary_args is not None and \
                 (restart_canary(infd.status.tuning if infd.status else None) or was_canary or has_canary_pod(pods)):
             problem = sync_canary(self.kube, infd, effective.config, running=mode == AutotuneMode.APPLY,
-                                  image=canary_args[0], admin_key=canary_args[1])
+                                  image=canary_args[0], admin_key=canary_args[1], applied=self.applied)
             if problem:
                 log.warning("%s/%s: %s", namespace, name, problem)
                 outcome.retry = outcome.retry or problem

@@ -88,6 +88,13 @@ def test_the_reconcile_runs_one_canary_pod_while_pending_and_none_after_the_verd
     hashes = [d["spec"]["template"]["metadata"]["annotations"]["kvtune.io/restart-hash"] for d in (main, canary)]
     assert hashes[1] == res.status_update["tuning"]["pending"]["restartHash"] and hashes[0] != hashes[1]
 
+    rec = Reconciler(kube, SETTINGS)  # a refresh while the canary runs: nothing changed, nothing sent
+    rec.reconcile("llm", "chat")
+    kube.calls.clear()
+    rec.reconcile("llm", "chat")
+    assert [call for call in kube.calls if call[1] == "patch"] == []
+    assert _deployment(kube, "chat-canary")["spec"]["replicas"] == 1
+
     # reverted against its siblings: the candidate barred, the canary Deployment at zero, nothing rolled
     after = infd("Apply", kube.infd("chat")["status"])
     j = judge_canary(PodFigures("chat-canary-x", 100, 20, 5000), [PodFigures("chat-a", 100, 60, 5000)], window_s=120)
