@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from typing import Any
+from typing import Any, Callable
 
 Key = tuple[str, str, str, str]  # (namespace, owner name, kind, child name)
 
@@ -46,24 +46,23 @@ class AppliedMemo:
         md = obj["metadata"]
         return md["namespace"], owner, obj["kind"], md["name"]
 
-    def unchanged(self, owner: str, obj: dict[str, Any], live: dict[str, Any] | None) -> bool:
-        """Whether applying `obj` would change nothing: we applied this very object, and `live` (read
-        now) is still the version that apply left."""
-        rv = resource_version(live)
-        if rv is None:
-            return False
+    def apply(self, owner: str, obj: dict[str, Any], live: dict[str, Any] | None,
+              send: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+        """The object after `obj` is in place: `live` (read now) when we applied this very object and
+        `live` is still the version that apply left, else what `send(obj)` (the apply) answered."""
+        key, dig = self._key(owner, obj), digest(obj)
         with self._lock:
-            seen = self._seen.get(self._key(owner, obj))
-        return seen is not None and seen == (digest(obj), rv)
-
-    def remember(self, owner: str, obj: dict[str, Any], after: dict[str, Any]) -> None:
-        """`obj` was applied and the apiserver answered with `after`."""
-        rv = resource_version(after)
+            seen = self._seen.get(key)
+        if live is not None and seen == (dig, resource_version(live)):
+            return live
+        after = send(obj)
+        after_rv = resource_version(after)
         with self._lock:
-            if rv is None:
-                self._seen.pop(self._key(owner, obj), None)
+            if after_rv is None:
+                self._seen.pop(key, None)
             else:
-                self._seen[self._key(owner, obj)] = (digest(obj), rv)
+                self._seen[key] = (dig, after_rv)
+        return after
 
     def forget(self, namespace: str, owner: str) -> None:
         """Drop every child of a deleted InferenceDeployment."""

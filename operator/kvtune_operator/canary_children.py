@@ -54,7 +54,7 @@ def canary_free(kube: Any, infd: InferenceDeployment) -> str:
 
 
 def sync_canary(kube: Any, infd: InferenceDeployment, config: EngineConfig, *, running: bool, image: str,
-                admin_key: str | None, applied: AppliedMemo | None = None) -> str | None:
+                admin_key: str | None, applied: AppliedMemo) -> str | None:
     """Give the canary Deployment one pod of status.engine plus the pending change (``running``: one
     is pending in Apply mode), or none (a canary that exists, is ours and still has pods is set to
     zero). ``applied``: what was applied before, so an unchanged object is not sent again. Returns
@@ -75,12 +75,8 @@ def sync_canary(kube: Any, infd: InferenceDeployment, config: EngineConfig, *, r
         theirs = [label(o) for o in objs if not may_write(have[o["kind"]], uid)]
         if theirs:  # neither is written: half a canary is none
             return f"not this InferenceDeployment's, so no canary is run: {' and '.join(theirs)}"
-        owner = infd.metadata.name
         for obj in objs:  # the ConfigMap first: the pod mounts it
-            if applied is None or not applied.unchanged(owner, obj, have[obj["kind"]]):
-                after = kube.apply(obj)
-                if applied is not None:
-                    applied.remember(owner, obj, after)
+            applied.apply(infd.metadata.name, obj, have[obj["kind"]], kube.apply)
     except KubeError as e:  # said, and tried again at the next reconcile
         return f"the canary Deployment {names.deployment} could not be {'applied' if pending else 'scaled to 0'}: {e}"
     return None

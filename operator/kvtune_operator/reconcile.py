@@ -326,12 +326,9 @@ class Reconciler:
                                       f"{' and '.join(k for k in waits_for if k in failed)} must be in place first")
                     continue
                 try:
-                    if self.applied.unchanged(name, obj, before_of[kind]):
-                        after = before_of[kind]
-                    else:
-                        after = self.kube.update_if_current(obj, kept_version) \
-                            if obj is admin_secret and kept_version else self.kube.apply(obj)
-                        self.applied.remember(name, obj, after)
+                    send = (lambda o: self.kube.update_if_current(o, kept_version)) \
+                        if obj is admin_secret and kept_version else self.kube.apply
+                    after = self.applied.apply(name, obj, before_of[kind], send)
                 except KubeError as e:
                     errors.append(f"applying {label(obj)} failed: {e}")
                     log.warning("%s/%s: %s", namespace, name, errors[-1])
